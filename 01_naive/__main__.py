@@ -1,0 +1,39 @@
+"""python -m 01_naive [--demo] [--model M] [--host H] [--port P]"""
+
+from __future__ import annotations
+
+from common.cli import DEMO_PROMPTS, model_dir_or_exit, served_name, stage_parser
+
+from .engine import Engine
+from .sampler import SamplingParams
+
+
+def demo(engine: Engine, max_tokens: int) -> None:
+    for prompt in DEMO_PROMPTS:
+        prompt_ids = engine.encode_chat([{"role": "user", "content": prompt}])
+        result = engine.generate(prompt_ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+        print(f"\nPrompt:  {prompt!r}")
+        print(f"Output:  {result.text!r}")
+        print(f"Prefill: {result.prefill_ms:.1f} ms ({result.prompt_tokens} tokens)")
+        print(f"Decode:  {result.decode_ms_per_token:.1f} ms/token ({result.completion_tokens} tokens, "
+              f"finish_reason={result.finish_reason})")
+        print(f"KV cache: {result.kv_cache_bytes / 2**20:.2f} MiB "
+              f"({result.kv_cache_bytes // (result.prompt_tokens + result.completion_tokens)} bytes/token)")
+
+
+def main() -> None:
+    args = stage_parser("01_naive", "Stage 01: the simplest LLM server (Flask, one request at a time).",
+                        default_port=8001).parse_args()
+    engine = Engine(model_dir_or_exit(args.model), device=args.device, dtype=args.dtype)
+    print(f"Loaded {args.model} on {engine.device} ({engine.dtype}), context {engine.max_model_len} tokens")
+    if args.demo:
+        demo(engine, args.max_tokens)
+        return
+    from .server import create_app
+
+    # threaded=False: one request at a time, the others wait their turn (the point of this stage).
+    create_app(engine, served_name(args.model)).run(host=args.host, port=args.port, threaded=False)
+
+
+if __name__ == "__main__":
+    main()

