@@ -41,14 +41,22 @@ class IncrementalDetokenizer:
         return self._take(len(self.text) - self._held_back())
 
     def flush(self) -> str:
-        """Generation is over: everything not yet sent is real output (no stop string can finish)."""
+        """Generation is over: send what is left. No more tokens can complete a held-back stop string,
+        and a character still missing bytes never will be whole, so it is dropped."""
+        if not self.stopped:
+            self.text += self._decode_new(final=True)
+            self._cut_at_stop()
         return self._take(len(self.text))
 
-    def _decode_new(self) -> str:
+    def _decode_new(self, final: bool = False) -> str:
         context = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
         window = self.tokenizer.decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
-        if len(window) <= len(context) or window.endswith(REPLACEMENT_CHAR):
-            return ""  # nothing new yet, or a character still waits for its next bytes
+        if final:
+            window = window.rstrip(REPLACEMENT_CHAR)
+        elif window.endswith(REPLACEMENT_CHAR):
+            return ""  # a character still waits for its next bytes
+        if len(window) <= len(context):
+            return ""  # nothing new yet (a special token, or bytes of an unfinished character)
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return window[len(context) :]
 

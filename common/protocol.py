@@ -50,7 +50,7 @@ class APIError(Exception):
 def validation_error(errors: list[dict[str, Any]]) -> APIError:
     """Turn pydantic's (or FastAPI's) list of validation errors into one 400 with the first of them."""
     first = errors[0]
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    loc = field_path(first.get("loc", ()))
     if first.get("type") == "json_invalid":
         detail = first.get("ctx", {}).get("error", first["msg"])
         return APIError(f"request body is not valid JSON: {detail}", code="invalid_json")
@@ -59,9 +59,18 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
                         code=first.get("type"))
     param = ".".join(loc)
     message = f"{param}: {first['msg']}"
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    others = {".".join(field_path(e.get("loc", ()))) for e in errors} - {param}
+    if others:  # (a union, e.g. prompt: str | list[int], fails once per branch: that is one field)
+        message += f" (and errors in: {', '.join(sorted(others))})"
     return APIError(message, param=param, code=first.get("type"))
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def field_path(loc: tuple[Any, ...]) -> list[str]:
+    """The request field an error is about: drop "body" and the union-branch tags pydantic adds."""
+    return [str(p) for p in loc if p != "body" and not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p))]
 
 
 def parse_request(model: type[BaseModel], data: Any) -> Any:
