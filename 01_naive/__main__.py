@@ -17,8 +17,9 @@ def demo(engine: Engine, max_tokens: int) -> None:
         print(f"Prefill: {result.prefill_ms:.1f} ms ({result.prompt_tokens} tokens)")
         print(f"Decode:  {result.decode_ms_per_token:.1f} ms/token ({result.completion_tokens} tokens, "
               f"finish_reason={result.finish_reason})")
-        print(f"KV cache: {result.kv_cache_bytes / 2**20:.2f} MiB "
-              f"({result.kv_cache_bytes // (result.prompt_tokens + result.completion_tokens)} bytes/token)")
+        cached = result.prompt_tokens + result.completion_tokens - 1  # the last token is never fed back
+        print(f"KV cache: {result.kv_cache_bytes / 2**20:.2f} MiB for {cached} tokens "
+              f"({result.kv_cache_bytes // cached} bytes/token)")
 
 
 def main() -> None:
