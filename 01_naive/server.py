@@ -53,16 +53,17 @@ def create_app(engine: Engine, model_name: str) -> Flask:
         )
         return engine.generate(prompt_ids, params)
 
-    def json_body(model: type[CompletionRequest]) -> CompletionRequest:
+    def completion_request() -> CompletionRequest:
+        """Parse the body as JSON whatever its Content-Type, then validate it (400 if either fails)."""
         data = request.get_json(force=True, silent=True)
         if data is None:
-            raise APIError("request body is not valid JSON")
-        return parse_request(model, data)
+            raise APIError("request body is not valid JSON", code="invalid_json")
+        return parse_request(CompletionRequest, data)
 
     @app.post("/generate")
     def generate() -> dict[str, Any]:
         """The course's own simple API: text in, text and timings out."""
-        result = run(json_body(CompletionRequest))
+        result = run(completion_request())
         return {
             "text": result.text,
             "prompt_tokens": result.prompt_tokens,
@@ -76,7 +77,7 @@ def create_app(engine: Engine, model_name: str) -> Flask:
     @app.post("/v1/completions")
     def completions() -> dict[str, Any]:
         """OpenAI-shaped completions, without streaming (stage 02 adds it)."""
-        req = json_body(CompletionRequest)
+        req = completion_request()
         if req.stream:
             raise APIError("streaming is not supported by stage 01; see stage 02", param="stream")
         result = run(req)
