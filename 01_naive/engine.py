@@ -91,9 +91,11 @@ class Engine:
 
     def decode_one_token(self, token_id: int, cache: Cache) -> tuple[torch.Tensor, Cache]:
         """Run one new token against the cache; the cache grows by one position per layer."""
+        ### BEGIN SOLUTION 1.3
         input_ids = torch.tensor([[token_id]], device=self.device)  # [1, 1]
         out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True)
         return out.logits[0, -1], out.past_key_values  # logits: [V]
+        ### END SOLUTION
 
     # --- the generation loop --------------------------------------------------------------
     @torch.inference_mode()
@@ -110,6 +112,7 @@ class Engine:
         prefill_ms = (time.perf_counter() - start) * 1000
 
         decode_start = time.perf_counter()
+        ### BEGIN SOLUTION 1.4
         while True:
             token_id = sample(logits, params, generator)
             output_ids.append(token_id)
@@ -125,6 +128,7 @@ class Engine:
             if len(output_ids) == params.max_tokens:
                 break
             logits, cache = self.decode_one_token(token_id, cache)
+        ### END SOLUTION
         decode_steps = max(len(output_ids) - 1, 0)  # the first token came from prefill
         decode_ms = (time.perf_counter() - decode_start) * 1000
 

@@ -172,6 +172,7 @@ def sse_response(
         # If the client disconnects, Starlette cancels this generator; closing ``outputs`` then
         # aborts the request on the engine thread (see AsyncEngine.generate).
         try:
+            ### BEGIN SOLUTION 2.4
             for item in first:
                 yield sse_event(item)
             last = None
@@ -181,6 +182,7 @@ def sse_response(
                     yield sse_event(chunk(output.text, output.finish_reason))
             if include_usage and last is not None:
                 yield sse_event(chunk(None, None, usage=usage_of(last)))  # choices: [], usage: {...}
+            ### END SOLUTION
         except Exception as exc:  # the headers are sent: report the error inside the stream
             yield sse_event(APIError(f"generation failed: {type(exc).__name__}: {exc}", 500).body())
         finally:

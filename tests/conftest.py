@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import sys
 from collections.abc import Iterator
@@ -19,12 +20,18 @@ from .servers import LiveServer, start_fastapi, start_flask
 REPO = Path(__file__).resolve().parent.parent
 # A student copy of the stages (see `make homework`) is tested by pointing STAGE_ROOT at it.
 STAGE_ROOT = Path(os.environ.get("STAGE_ROOT", REPO)).resolve()
-if str(STAGE_ROOT) not in sys.path:
-    sys.path.insert(0, str(STAGE_ROOT))
 
 
 def stage(package: str, module: str) -> ModuleType:
-    """Import ``module`` of a stage folder, e.g. stage("02_streaming", "engine")."""
+    """Import ``module`` of a stage folder, e.g. stage("02_streaming", "engine").
+
+    The folder comes from STAGE_ROOT when it has one, else from the repository. The package is loaded
+    from its path, not through sys.path, which pytest reorders (it puts the repository first)."""
+    if package not in sys.modules:
+        root = STAGE_ROOT if (STAGE_ROOT / package / "__init__.py").is_file() else REPO
+        spec = importlib.util.spec_from_file_location(package, root / package / "__init__.py")
+        sys.modules[package] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[package])
     return importlib.import_module(f"{package}.{module}")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+import torch
 
 from .conftest import stage
 from .prompts import CHAT_PROMPTS, TEXT_PROMPTS
@@ -21,6 +22,20 @@ def test_greedy_equals_hf_generate(engine01, hf_greedy, prompt):
     assert len(result.output_ids) == 32 and result.finish_reason == "length"
 
 
+@pytest.mark.exercise("1.3")
+def test_decode_one_token_matches_a_full_forward_pass(engine01):
+    prompt_ids = engine01.encode("The history of the Roman Empire")
+    next_ids = engine01.tokenizer(" began in Rome", add_special_tokens=False).input_ids
+    with torch.inference_mode():
+        _, cache = engine01.prefill(prompt_ids)
+        for step, token_id in enumerate(next_ids, start=1):
+            logits, cache = engine01.decode_one_token(token_id, cache)
+            assert cache.get_seq_length() == len(prompt_ids) + step  # one more position per step
+            # Without a cache: the whole sequence again, and the logits of its last position.
+            full = engine01.model(input_ids=torch.tensor([prompt_ids + next_ids[:step]])).logits[0, -1]
+            assert logits.shape == full.shape and torch.allclose(logits, full, atol=1e-4)
+
+
 @pytest.mark.parametrize("prompt", CHAT_PROMPTS)
 def test_greedy_chat_equals_hf_generate(engine01, hf_greedy, prompt):
     prompt_ids = engine01.encode_chat([{"role": "user", "content": prompt}])
@@ -28,6 +43,7 @@ def test_greedy_chat_equals_hf_generate(engine01, hf_greedy, prompt):
     assert result.output_ids == hf_greedy(prompt_ids, 32)
 
 
+@pytest.mark.exercise("1.4")
 def test_eos_ends_generation_with_stop(engine01, hf_greedy):
     prompt_ids = engine01.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
     result = engine01.generate(prompt_ids, sampler.SamplingParams(max_tokens=64, temperature=0.0))
@@ -37,6 +53,7 @@ def test_eos_ends_generation_with_stop(engine01, hf_greedy):
     assert "Paris" in result.text and "<|im_end|>" not in result.text
 
 
+@pytest.mark.exercise("1.4")
 def test_stop_string_cuts_the_text(engine01):
     prompt_ids = engine01.encode("The history of the Roman Empire")
     full = engine01.generate(prompt_ids, GREEDY_32).text
@@ -45,6 +62,7 @@ def test_stop_string_cuts_the_text(engine01):
     assert stopped.text == full[: full.index("Roman")]
 
 
+@pytest.mark.exercise("1.4")
 def test_kv_cache_bytes_match_the_model_shape(engine01):
     cfg = engine01.model.config
     prompt_ids = engine01.encode("The history of the Roman Empire")
@@ -52,8 +70,10 @@ def test_kv_cache_bytes_match_the_model_shape(engine01):
     # K and V, per layer, per KV head, per head dim, 4 bytes each; the last token is never fed back.
     per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
     assert result.kv_cache_bytes == per_token * (len(prompt_ids) + 8 - 1)
+    assert len(result.output_ids) == 8 and result.finish_reason == "length"
 
 
+@pytest.mark.exercise("1.4")
 def test_seeded_sampling_is_repeatable(engine01):
     prompt_ids = engine01.encode("Once upon a time")
     params = sampler.SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=42)

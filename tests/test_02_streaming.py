@@ -4,17 +4,24 @@ and forgets a client that leaves."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
 import httpx
 import openai
 import pytest
+from pydantic import BaseModel
+
+from common.protocol import Usage
 
 from .conftest import stage
 from .prompts import CHAT_PROMPTS, EMOJI_PROMPT, TEXT_PROMPTS
 
 sampler = stage("02_streaming", "sampler")
+sequence = stage("02_streaming", "sequence")
+engine_module = stage("02_streaming", "engine")
+server_module = stage("02_streaming", "server")
 MODEL = "smollm2-135m-instruct"
 
 
@@ -62,6 +69,22 @@ def test_http_greedy_equals_hf_and_stream_equals_non_stream(server02, engine02, 
     assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
     assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(prompt_ids), 32)
     assert whole.usage.total_tokens == len(prompt_ids) + 32
+
+
+@pytest.mark.exercise("2.4")
+def test_streams_join_to_the_whole_answer(server02):
+    client = server02.client()
+    kwargs = dict(max_tokens=12, temperature=0)
+    whole = client.completions.create(model=MODEL, prompt="The history of the Roman Empire", **kwargs)
+    chunks, text, finish = stream_completion(client, prompt="The history of the Roman Empire",
+                                             stream_options={"include_usage": True}, **kwargs)
+    assert text == whole.choices[0].text and finish == ["length"] and len(chunks) > 5
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    messages = [{"role": "user", "content": "Say hi."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, **kwargs)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, stream=True, **kwargs))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
 
 
 def test_chat_stream_and_usage_with_eos(server02, engine02, hf_greedy):
@@ -127,6 +150,43 @@ def test_models_health_and_metrics(server02):
     after = server02.metric("llm_generation_tokens_total"), server02.metric("llm_time_to_first_token_seconds_count")
     assert after[0] - before[0] == 5 and after[1] - before[1] == 1
     assert server02.metric("llm_requests_running") == 0 and server02.metric("llm_requests_waiting") == 0
+
+
+# --- the SSE framing, without a model ------------------------------------------------------------
+
+
+class Chunk(BaseModel):
+    text: str | None
+    finish_reason: str | None
+    usage: Usage | None = None
+
+
+def chunk(text: str | None, finish_reason: str | None, usage: Usage | None = None) -> Chunk:
+    return Chunk(text=text, finish_reason=finish_reason, usage=usage)
+
+
+@pytest.mark.exercise("2.4")
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_sse_events_frame_each_chunk_and_end_with_done(include_usage):
+    outputs = [
+        sequence.RequestOutput("r", 11, "Hel", None, prompt_tokens=3, completion_tokens=1),
+        sequence.RequestOutput("r", 12, "", None, prompt_tokens=3, completion_tokens=2),  # held back: no event
+        sequence.RequestOutput("r", 13, "lo", "stop", prompt_tokens=3, completion_tokens=3),
+    ]
+
+    async def produce():
+        for output in outputs:
+            yield output
+
+    async def read(response) -> list[str]:
+        return [event async for event in response.body_iterator]
+
+    response = server_module.sse_response(produce(), [chunk("", None)], chunk, include_usage)
+    expected = [chunk("", None), chunk("Hel", None), chunk("lo", "stop")]
+    if include_usage:
+        expected.append(chunk(None, None, usage=Usage.of(3, 3)))
+    assert response.media_type == "text/event-stream"
+    assert asyncio.run(read(response)) == [f"data: {c.model_dump_json()}\n\n" for c in expected] + ["data: [DONE]\n\n"]
 
 
 # --- bad input -------------------------------------------------------------------------------------
@@ -243,3 +303,48 @@ def test_disconnect_while_waiting_and_while_not_streaming(server02):
     running.close()
     assert wait_until(lambda: idle(server02), timeout=2.0)
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+
+
+# --- aborting, on the engine itself -------------------------------------------------------------------
+
+
+@pytest.mark.exercise("2.3")
+@pytest.mark.parametrize(("state", "after"), [("waiting", "aborted"), ("running", "aborted"), ("finished", "finished")])
+def test_abort_depends_on_where_the_request_is(engine02, state, after):
+    async_engine = engine_module.AsyncEngine(engine02)  # thread not started: we call _abort by hand
+    if state == "waiting":
+        async_engine.metrics.waiting.inc()  # as AsyncEngine.generate counted it when it queued the request
+    loop = asyncio.new_event_loop()
+    request = sequence.Request("r", [1], sampler.SamplingParams(), loop=loop, state=state)
+    async_engine._abort(request)
+    loop.close()
+    assert request.state == after
+    assert async_engine.metrics.registry.get_sample_value("llm_requests_waiting") == 0
+
+
+@pytest.mark.exercise("2.3")
+def test_consumers_that_leave_free_the_engine(engine02):
+    async_engine = engine_module.AsyncEngine(engine02)
+    metric = async_engine.metrics.registry.get_sample_value
+    params = sampler.SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
+    first, second = engine02.encode("A"), engine02.encode("B B")
+
+    async def scenario() -> None:
+        running = async_engine.generate(first, params)
+        await anext(running)  # its first token came: it runs
+        waiting = async_engine.generate(second, params)
+        with pytest.raises(TimeoutError):  # it waits behind the running one; its consumer gives up
+            await asyncio.wait_for(anext(waiting), timeout=0.2)
+        assert metric("llm_requests_waiting") == 0
+        await running.aclose()  # the consumer of the running one leaves too
+        deadline = time.monotonic() + 10.0  # 4000 tokens take minutes; one more step takes well under 10 s
+        while metric("llm_requests_running") != 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert metric("llm_requests_running") == 0
+
+    async_engine.start()
+    try:
+        asyncio.run(scenario())
+    finally:
+        async_engine.stop()
+    assert metric("llm_prompt_tokens_total") == len(first)  # the waiting one was never prefilled

@@ -16,6 +16,13 @@ def sampler(request):
     return stage(request.param, "sampler")
 
 
+def graded(exercise: str) -> pytest.MarkDecorator:
+    """Run on every stage; stage 01's run grades homework ``exercise`` (stage 02 copies 01's sampler)."""
+    return pytest.mark.parametrize(
+        "sampler", [pytest.param("01_naive", marks=pytest.mark.exercise(exercise)), *STAGES[1:]], indirect=True
+    )
+
+
 def kept(probs: torch.Tensor) -> set[int]:
     return set(torch.nonzero(probs > 0).flatten().tolist())
 
@@ -23,11 +30,13 @@ def kept(probs: torch.Tensor) -> set[int]:
 LOGITS = torch.tensor([2.0, 0.5, 3.0, -1.0, 1.0, 2.5])  # ranks: 2, 5, 0, 4, 1, 3
 
 
+@graded("1.1")
 def test_top_k_keeps_exactly_the_k_best(sampler):
     params = sampler.SamplingParams(temperature=1.0, top_k=3)
     assert kept(sampler.logits_to_probs(LOGITS, params)) == {2, 5, 0}
 
 
+@graded("1.1")
 def test_top_k_with_ties_keeps_exactly_k(sampler):
     params = sampler.SamplingParams(temperature=1.0, top_k=2)
     assert len(kept(sampler.logits_to_probs(torch.tensor([1.0, 1.0, 1.0, 0.0]), params))) == 2
@@ -38,6 +47,7 @@ def test_top_k_zero_or_minus_one_keeps_everything(sampler):
         assert kept(sampler.logits_to_probs(LOGITS, sampler.SamplingParams(top_k=k))) == set(range(6))
 
 
+@graded("1.2")
 def test_top_p_keeps_the_smallest_set_reaching_p(sampler):
     probs = torch.softmax(LOGITS, dim=-1)
     order = torch.argsort(probs, descending=True).tolist()
@@ -48,6 +58,7 @@ def test_top_p_keeps_the_smallest_set_reaching_p(sampler):
         assert got == set(order[:n]), top_p
 
 
+@graded("1.1")
 def test_kept_tokens_are_renormalised_in_proportion(sampler):
     probs = sampler.logits_to_probs(LOGITS, sampler.SamplingParams(top_k=2))
     full = torch.softmax(LOGITS, dim=-1)
@@ -55,6 +66,15 @@ def test_kept_tokens_are_renormalised_in_proportion(sampler):
     assert torch.isclose(probs[2] / probs[5], full[2] / full[5])
 
 
+@graded("1.2")
+def test_top_p_masks_logits_and_leaves_the_kept_ones_alone(sampler):
+    # apply_top_p works on logits: the kept ones come back unchanged, the dropped ones become -inf.
+    out = sampler.apply_top_p(LOGITS, 0.7)  # probabilities 0.45 + 0.27 reach 0.7: tokens 2 and 5
+    assert torch.equal(out[[2, 5]], LOGITS[[2, 5]])
+    assert torch.isneginf(out[[0, 1, 3, 4]]).all()
+
+
+@graded("1.2")
 def test_top_k_then_top_p(sampler):
     # top-k 4 leaves {2, 5, 0, 4}; of those, top-p 0.6 needs the two best.
     probs = sampler.logits_to_probs(LOGITS, sampler.SamplingParams(top_k=4, top_p=0.6))
@@ -83,6 +103,7 @@ def test_greedy_is_argmax(sampler):
     assert sampler.sample(LOGITS, params, gen) == 2
 
 
+@graded("1.1")
 def test_sampling_follows_the_distribution(sampler):
     params = sampler.SamplingParams(temperature=1.0, top_k=3)
     gen = sampler.make_generator(1234)
