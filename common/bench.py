@@ -1,0 +1,315 @@
+"""Benchmark a stage (or any OpenAI-compatible server) with the course's standard sweep.
+
+    python -m common.bench --stage 02            # start stage 02's server, sweep, stop it
+    python -m common.bench --stage 02 --quick    # the short CI version (also: QUICK=1)
+    python -m common.bench --url http://127.0.0.1:8000 --model NAME --name vllm   # a running server
+
+The sweep sends 64 requests at each concurrency level 1, 4, 8, 16, 32, 64, each asking for 64
+tokens with greedy decoding and EOS ignored, so every stage does exactly the same work. The result
+goes to ``results/<device>/<name>.json`` with the machine, the command and the git commit, and the
+standard figure (see ``common/plots.py``) goes beside it, overlaid on the previous stage's result
+when that file is there too. Quick runs go to ``results/quick/`` (git-ignored), so they never
+overwrite the committed full results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from .cli import served_name
+from .loadgen import PROMPTS, LevelResult, Workload, probe_streaming, run_sweep, warm_up
+from .plots import plot_results
+from .weights import DEFAULT_MODEL
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "results"
+
+
+@dataclass
+class Sweep:
+    levels: list[int]
+    requests_per_level: int
+    max_tokens: int
+
+
+FULL = Sweep(levels=[1, 4, 8, 16, 32, 64], requests_per_level=64, max_tokens=64)
+QUICK = Sweep(levels=[1, 4], requests_per_level=8, max_tokens=16)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m common.bench", description=__doc__.split("\n\n")[0])
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--stage", help="stage number, e.g. 02: start its server on a free loopback port")
+    target.add_argument("--url", help="root URL of an OpenAI-compatible server that is already running")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"model to serve (--stage) or to name in requests (--url); default {DEFAULT_MODEL}")
+    parser.add_argument("--name", help="label for the result file and the figure (default: the stage folder)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="device the stage runs on; with --url, the device to file the result under")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="auto: float32 on CPU, bfloat16 on CUDA (the stages' rule)")
+    parser.add_argument("--quick", action="store_true", default=os.environ.get("QUICK", "") in ("1", "true", "yes"),
+                        help=f"short sweep for CI: levels {QUICK.levels}, {QUICK.requests_per_level} requests, "
+                             f"{QUICK.max_tokens} tokens, written under results/quick/ (also: QUICK=1)")
+    parser.add_argument("--no-stream", action="store_true",
+                        help="send non-streaming requests (found out by itself when the server answers 400)")
+    parser.add_argument("--levels", type=int, nargs="+", help="override the concurrency levels")
+    parser.add_argument("--requests", type=int, help="override the requests per level")
+    parser.add_argument("--max-tokens", type=int, help="override the output tokens per request")
+    parser.add_argument("--out", type=Path, help="folder for the JSON and PNG (default: results/<device>/)")
+    parser.add_argument("--compare", type=Path, nargs="*", default=[],
+                        help="more result JSON files to overlay in the figure")
+    args = parser.parse_args(argv)
+    if args.url and not args.name:
+        parser.error("--url needs --name LABEL for the result file")
+    return args
+
+
+def sweep_of(args: argparse.Namespace) -> Sweep:
+    base = QUICK if args.quick else FULL
+    return Sweep(levels=args.levels or base.levels,
+                 requests_per_level=args.requests or base.requests_per_level,
+                 max_tokens=args.max_tokens or base.max_tokens)
+
+
+# --- where it runs -------------------------------------------------------------------------------
+
+
+def pick_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pick_dtype(dtype: str, device: str) -> str:
+    """The stages' own rule for --dtype auto, written out so the result names the real dtype."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device == "cuda" else "float32"
+
+
+def cpu_model() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def machine_info(device: str) -> dict[str, Any]:
+    import torch
+
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        # What this process may use: a container often gets fewer cores than the machine has.
+        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0) if device == "cuda" and torch.cuda.is_available() else None,
+        # Taken before the server starts: above ~0.5, something else was using the CPU, and the
+        # numbers are worth less (on a small machine, two busy PyTorch processes slow each other a lot).
+        "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
+
+
+def git_state() -> dict[str, Any]:
+    """The commit the code came from, and whether the working tree had changes on top of it."""
+    def git(*args: str) -> str | None:
+        run = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=False)
+        return run.stdout.strip() if run.returncode == 0 else None
+
+    status = git("status", "--porcelain")
+    return {"git_commit": git("rev-parse", "HEAD"), "git_dirty": None if status is None else status != ""}
+
+
+# --- the stage's server as a subprocess -----------------------------------------------------------
+
+
+def stage_folder(stage: str) -> str:
+    """'2' or '02' -> '02_streaming'."""
+    matches = sorted(p.name for p in REPO.glob(f"{int(stage):02d}_*") if (p / "__main__.py").is_file())
+    if not matches:
+        raise SystemExit(f"error: no stage {stage} in {REPO}")
+    return matches[0]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, server: subprocess.Popen[bytes], log: Path, timeout_s: float = 600) -> None:
+    """Poll GET /health until it answers 200; fail early if the server process dies."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited with status {server.returncode}; its log:\n{tail(log)}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} was not healthy after {timeout_s:.0f} s; its log:\n{tail(log)}")
+
+
+def tail(log: Path, lines: int = 20) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def stop_server(server: subprocess.Popen[bytes], timeout_s: float = 15) -> None:
+    """Ask politely (SIGTERM), then insist (SIGKILL)."""
+    if server.poll() is not None:
+        return
+    server.terminate()
+    try:
+        server.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
+@contextmanager
+def stage_server(command: list[str], url: str) -> Iterator[None]:
+    """Run ``command`` until the block ends, whatever way it ends (an error, Ctrl-C, SIGTERM)."""
+    with tempfile.NamedTemporaryFile(prefix="bench-server-", suffix=".log", delete=False) as log_file:
+        log = Path(log_file.name)
+        server = subprocess.Popen(command, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT)
+    print(f"Started {shlex.join(command)} (pid {server.pid}, log {log})", flush=True)
+    try:
+        wait_healthy(url, server, log)
+        yield
+    finally:
+        stop_server(server)
+    log.unlink()  # kept only when something went wrong, for the error message's reader
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit, so that ``finally`` blocks (stopping the server) still run."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
+# --- measuring and writing -------------------------------------------------------------------------
+
+
+async def measure(url: str, model: str, stream: bool, sweep: Sweep, label: str) -> tuple[bool, list[LevelResult]]:
+    """Find out whether the server streams, warm it up, then run every level."""
+    if stream and not await probe_streaming(url, model):
+        print("The server answered 400 to a streaming request: measuring without streaming.", flush=True)
+        stream = False
+    workload = Workload(url, model, sweep.max_tokens, stream=stream)
+    await warm_up(workload)
+    return stream, await run_sweep(workload, sweep.levels, sweep.requests_per_level, label)
+
+
+def level_json(level: LevelResult) -> dict[str, Any]:
+    summary = level.summary()
+    summary["in_flight"]["samples"] = level.in_flight.samples
+    summary["records"] = [asdict(r) for r in level.records]  # the raw data behind the aggregates
+    return summary
+
+
+def dumps(value: Any, indent: str = "") -> str:
+    """JSON that reads top-down: one line per key and per record, but a record, a list of numbers
+    (the in-flight samples) or a small object stays on one line, so that a result file stays short."""
+    inner = indent + " "
+    if isinstance(value, dict) and any(isinstance(v, dict | list) and v and not is_leaf(v) for v in value.values()):
+        items = [f"{inner}{json.dumps(k)}: {dumps(v, inner)}" for k, v in value.items()]
+        return "{\n" + ",\n".join(items) + f"\n{indent}}}"
+    if isinstance(value, list) and any(isinstance(v, dict) for v in value):
+        return "[\n" + ",\n".join(inner + dumps(v, inner) for v in value) + f"\n{indent}]"
+    return json.dumps(value, ensure_ascii=False)
+
+
+def is_leaf(value: dict[str, Any] | list[Any]) -> bool:
+    """True when no dict is nested anywhere inside: such a value prints on one line."""
+    items = value.values() if isinstance(value, dict) else value
+    return all(not isinstance(v, dict) and (not isinstance(v, list) or is_leaf(v)) for v in items)
+
+
+def previous_stage_result(out_dir: Path, stage: str | None) -> list[Path]:
+    """The previous stage's result in the same folder (so quick compares with quick, full with full)."""
+    if stage is None or int(stage) <= 1:
+        return []
+    return sorted(out_dir.glob(f"{int(stage) - 1:02d}_*.json"))[:1]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    exit_on_sigterm()
+    sweep = sweep_of(args)
+    device = pick_device(args.device)
+    # With --url we cannot see the server's dtype: record it only if the user told us.
+    dtype = pick_dtype(args.dtype, device) if args.stage else (None if args.dtype == "auto" else args.dtype)
+    out_dir = args.out or (RESULTS / "quick" / device if args.quick else RESULTS / device)
+    machine = machine_info(device)
+    if (machine["load_average_1m"] or 0) > 1:
+        print(f"warning: the load average is {machine['load_average_1m']:.1f} before we start: something else "
+              "is using the CPU, and it will slow the server down", flush=True)
+    server_command = None
+
+    if args.stage:
+        name = args.name or stage_folder(args.stage)
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        server_command = [sys.executable, "-m", stage_folder(args.stage), "--port", str(port), "--host", "127.0.0.1",
+                          "--model", args.model, "--device", device, "--dtype", dtype]
+        model = served_name(args.model)
+        with stage_server(server_command, url):
+            stream, levels = asyncio.run(measure(url, model, not args.no_stream, sweep, name))
+    else:
+        name, url, model = args.name, args.url.rstrip("/"), args.model
+        stream, levels = asyncio.run(measure(url, model, not args.no_stream, sweep, name))
+
+    result = {
+        "name": name,
+        "stage": f"{int(args.stage):02d}" if args.stage else None,
+        "model": model,
+        "device": device,
+        "dtype": dtype,
+        "streaming": stream,
+        "quick": args.quick,
+        "workload": {**asdict(sweep), "temperature": 0, "ignore_eos": True, "prompts": PROMPTS},
+        "machine": machine,
+        "command": shlex.join(sys.orig_argv),
+        "server_command": shlex.join(server_command) if server_command else None,
+        "url": url,
+        **git_state(),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "levels": [level_json(level) for level in levels],
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / f"{name}.json"
+    json_path.write_text(dumps(result) + "\n")
+    others = previous_stage_result(out_dir, args.stage) + list(args.compare)
+    png_path = plot_results([*others, result], json_path.with_suffix(".png"))
+    print(f"Wrote {json_path} and {png_path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""The standard benchmark figure: four panels against concurrency, one line per result file.
+
+End-to-end latency, inter-token latency, output tokens/s and requests in flight, each plotted
+against the concurrency level on a log2 axis, so that the stages of the course overlay on one
+picture. Latencies show the mean (solid) and p99 (dotted).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+# The Agg canvas draws to PNG without a display, and without pyplot's global state.
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+Result = dict[str, Any]
+Level = dict[str, Any]
+
+
+def load_result(result: Result | str | Path) -> Result:
+    if isinstance(result, dict):
+        return result
+    return json.loads(Path(result).read_text())
+
+
+def points(result: Result, value: Callable[[Level], float | None]) -> tuple[list[int], list[float]]:
+    """(concurrency, value) for the levels that have a value."""
+    pairs = [(level["concurrency"], value(level)) for level in result["levels"]]
+    kept = [(c, v) for c, v in pairs if v is not None]
+    return [c for c, _ in kept], [v for _, v in kept]
+
+
+def latency_ms(metric: str, stat: str) -> Callable[[Level], float | None]:
+    def value(level: Level) -> float | None:
+        stats = level[metric]
+        return None if stats is None else 1000 * stats[stat]
+
+    return value
+
+
+def plot_latency(ax: Axes, results: list[Result], metric: str, title: str) -> None:
+    for i, result in enumerate(results):
+        color = f"C{i}"
+        xs, means = points(result, latency_ms(metric, "mean"))
+        if not xs:  # e.g. ITL of a server that does not stream: say so instead of drawing nothing
+            ax.text(0.02, 0.95 - 0.07 * i, f"{result['name']}: not streamed, no {title.lower()}",
+                    transform=ax.transAxes, color=color, va="top", fontsize=8)
+            continue
+        ax.plot(xs, means, "o-", color=color, label=f"{result['name']} mean")
+        ax.plot(*points(result, latency_ms(metric, "p99")), ":", color=color, label=f"{result['name']} p99")
+    ax.set_title(title)
+    ax.set_ylabel("ms")
+
+
+def plot_throughput(ax: Axes, results: list[Result]) -> None:
+    for i, result in enumerate(results):
+        ax.plot(*points(result, lambda level: level["output_tokens_per_s"]), "o-", color=f"C{i}",
+                label=result["name"])
+    ax.set_title("Output tokens/s")
+    ax.set_ylabel("tokens/s")
+
+
+def plot_in_flight(ax: Axes, results: list[Result]) -> None:
+    """Mean in-flight count per level. A server-side count shows how many the server really held."""
+    for i, result in enumerate(results):
+        sources = {level["in_flight"]["source"] for level in result["levels"]}
+        label = result["name"] + ("" if sources == {"server"} else " (client-side count)")
+        ax.plot(*points(result, lambda level: level["in_flight"]["mean"]), "o-", color=f"C{i}", label=label)
+    ax.set_title("Requests in flight (mean)")
+    ax.set_ylabel("requests")
+
+
+def subtitle(results: list[Result]) -> str:
+    first = results[0]
+    workload = first["workload"]
+    return (f"{first['model']} on {first['device']} ({first['dtype']}), {workload['requests_per_level']} requests "
+            f"per level, {workload['max_tokens']} output tokens each, greedy")
+
+
+def plot_results(results: Sequence[Result | str | Path], out: str | Path) -> Path:
+    """Draw the 4-panel figure for one or more results (dicts or JSON paths) into the PNG ``out``."""
+    loaded = [load_result(r) for r in results]
+    fig = Figure(figsize=(12, 8.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    e2e, itl, tps, in_flight = fig.subplots(2, 2).flat
+    plot_latency(e2e, loaded, "e2e_s", "End-to-end latency")
+    plot_latency(itl, loaded, "itl_s", "Inter-token latency")
+    plot_throughput(tps, loaded)
+    plot_in_flight(in_flight, loaded)
+    levels = sorted({level["concurrency"] for r in loaded for level in r["levels"]})
+    for ax in (e2e, itl, tps, in_flight):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.set_xlabel("concurrency")
+        ax.set_ylim(bottom=0)  # a zoomed axis would make small changes look large
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.suptitle(" vs ".join(r["name"] for r in loaded) + "\n" + subtitle(loaded), fontsize=11)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    return out
