@@ -16,6 +16,7 @@ help:
 	@echo "make demo [STAGE=NN]  run a stage's --demo on the embedded model (default: latest stage)"
 	@echo "make serve [STAGE=NN] start a stage's server on 127.0.0.1"
 	@echo "make bench [STAGE=NN] [QUICK=1]  benchmark a stage: results/<device>/NN_name.json + .png"
+	@echo "make notebooks        re-run every notebook in notebooks/ and save its outputs"
 	@echo "make homework [STAGE=NN]         write a student copy to homework/NN_name/ (see its EXERCISES.md)"
 	@echo "make grade [STAGE=NN] [DIR=homework]  grade a copy: a score per exercise (DIR=. grades the reference)"
 	@echo "make test             run the whole test suite"
@@ -43,6 +44,10 @@ serve: install
 .PHONY: bench
 bench: install
 	$(PY) -m common.bench --stage $(STAGE) $(if $(filter 1,$(QUICK)),--quick)
+
+.PHONY: notebooks
+notebooks: install
+	$(PY) -m common.notebooks
 
 # Homework: each ### BEGIN/END SOLUTION region of the stage becomes a stub; the marked tests grade a copy.
 DIR ?= homework

@@ -105,3 +105,19 @@ def plot_results(results: Sequence[Result | str | Path], out: str | Path) -> Pat
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     return out
+
+
+def plot_request_timeline(ax: Axes, level: Level, title: str, max_requests: int = 16) -> None:
+    """One bar per request of a level, as the client saw it: grey while it waited for its first
+    token (queueing and prefill), coloured while tokens streamed in. Without streaming the whole
+    answer arrives at the end, so the bar is all grey."""
+    records = sorted((r for r in level["records"] if r["ok"]), key=lambda r: r["start_s"])[:max_requests]
+    for row, record in enumerate(records):
+        start, first, end = record["start_s"], record["start_s"] + record["ttft_s"], record["start_s"] + record["e2e_s"]
+        ax.barh(row, first - start, left=start, color="0.75")
+        ax.barh(row, end - first, left=first, color="C1")
+    ax.set_yticks(range(len(records)), [f"#{r['index']}" for r in records])
+    ax.invert_yaxis()  # the first request on top
+    ax.set_xlabel("seconds since the level started")
+    ax.set_title(title)
+    ax.grid(True, axis="x", alpha=0.3)
