@@ -17,6 +17,10 @@ from common.weights import resolve_model
 
 from .servers import LiveServer, start_fastapi, start_flask
 
+# Without a GPU, the Triton kernels (stage 03 on) run in Triton's interpreter: set before triton is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 REPO = Path(__file__).resolve().parent.parent
 # A student copy of the stages (see `make homework`) is tested by pointing STAGE_ROOT at it.
 STAGE_ROOT = Path(os.environ.get("STAGE_ROOT", REPO)).resolve()
@@ -96,6 +100,21 @@ def server01(engine01) -> Iterator[LiveServer]:
 def server02(engine02) -> Iterator[LiveServer]:
     async_engine = stage("02_streaming", "engine").AsyncEngine(engine02)
     app = stage("02_streaming", "server").create_app(async_engine, "smollm2-135m-instruct")
+    with start_fastapi(app) as server:
+        server.engine = async_engine
+        yield server
+
+
+@pytest.fixture(scope="session")
+def engine03(model_dir: Path):
+    # 64 MiB: about 1,450 tokens of SmolLM2's cache, plenty for the tests and small enough to fill.
+    return stage("03_paged_kv", "engine").Engine(model_dir, device="cpu", dtype="float32", kv_cache_mb=64)
+
+
+@pytest.fixture(scope="session")
+def server03(engine03) -> Iterator[LiveServer]:
+    async_engine = stage("03_paged_kv", "engine").AsyncEngine(engine03)
+    app = stage("03_paged_kv", "server").create_app(async_engine, "smollm2-135m-instruct")
     with start_fastapi(app) as server:
         server.engine = async_engine
         yield server

@@ -1,0 +1,57 @@
+"""python -m 03_paged_kv [--demo] [--model M] [--kv-cache-mb MB] [--block-size N] [--host H] [--port P]"""
+
+from __future__ import annotations
+
+import time
+
+from common.cli import DEMO_PROMPTS, model_dir_or_exit, served_name, stage_parser
+
+from .engine import AsyncEngine, Engine
+from .sampler import SamplingParams
+
+
+def demo(engine: Engine, max_tokens: int) -> None:
+    """Print each token the moment it is generated, then when the first one came and how fast."""
+    for i, prompt in enumerate(DEMO_PROMPTS):
+        prompt_ids = engine.encode_chat([{"role": "user", "content": prompt}])
+        print(f"\nPrompt: {prompt!r}\nOutput: ", end="", flush=True)
+        start = time.perf_counter()
+        times = []
+        for output in engine.generate(f"demo-{i}", prompt_ids, SamplingParams(max_tokens=max_tokens, temperature=0.0)):
+            times.append(time.perf_counter())
+            print(output.text, end="", flush=True)
+        gaps = [b - a for a, b in zip(times[:-1], times[1:], strict=True)]
+        itl = f"{1000 * sum(gaps) / len(gaps):.1f} ms" if gaps else "n/a"
+        blocks = engine.block_manager.blocks_needed(len(prompt_ids) + len(times) - 1)  # the last token is never run
+        print(f"\nTime to first token: {1000 * (times[0] - start):.1f} ms ({len(prompt_ids)} prompt tokens); "
+              f"inter-token latency: {itl} ({len(times)} tokens, finish_reason={output.finish_reason})")
+        print(f"KV cache: held {blocks} blocks of {engine.block_manager.block_size} tokens while it ran; "
+              f"{engine.block_manager.num_free} of {engine.block_manager.num_blocks} free again now")
+
+
+def main() -> None:
+    parser = stage_parser("03_paged_kv", "Stage 03: the streaming server on its own model, with a paged KV cache.",
+                          default_port=8003)
+    parser.add_argument("--kv-cache-mb", type=int, default=512, help="KV-cache pool size on CPU (default: 512)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="on CUDA, the share of free memory (after the weights) the pool takes (default: 0.9)")
+    parser.add_argument("--block-size", type=int, default=16, choices=[16, 32, 64, 128], help="tokens per block")
+    args = parser.parse_args()
+    engine = Engine(model_dir_or_exit(args.model), device=args.device, dtype=args.dtype, kv_cache_mb=args.kv_cache_mb,
+                    block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization)
+    cache = engine.kv_cache
+    print(f"Loaded {args.model} on {engine.device} ({engine.dtype}), context {engine.max_model_len} tokens")
+    print(f"KV cache: {cache.num_blocks} blocks x {args.block_size} tokens = {engine.kv_capacity_tokens} tokens, "
+          f"{cache.num_bytes / 2**20:.0f} MiB ({cache.shape.bytes_per_token} bytes per token)")
+    if args.demo:
+        demo(engine, args.max_tokens)
+        return
+    import uvicorn
+
+    from .server import create_app
+
+    uvicorn.run(create_app(AsyncEngine(engine), served_name(args.model)), host=args.host, port=args.port)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+"""The engine: the stage's own model, a paged KV cache, and the streaming generation loop.
+
+Stage 02's loop is unchanged in shape (prefill, then one decode step per token, yielding each token
+as it is sampled), but the KV cache is no longer Hugging Face's per-request tensor. At start-up the
+engine reserves one pool of blocks for every request it will ever serve; a request's cache is the
+list of blocks in its block table, taken one at a time as it grows and all given back when it ends.
+``AsyncEngine`` still runs one request at a time: the pool can hold many sequences, and stage 04
+will use that to batch them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import closing
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from .attention import AttentionMetadata
+from .block_manager import BlockManager
+from .detokenizer import IncrementalDetokenizer
+from .kv_cache import KVCache, budget_bytes
+from .metrics import Metrics
+from .model import LlamaForCausalLM
+from .sampler import SamplingParams, make_generator, sample
+from .sequence import Request, RequestOutput
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """float32 on CPU (exact, and fast enough for a 135M model); bfloat16 on CUDA."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+class Engine:
+    """One model, one KV-cache pool, one request at a time."""
+
+    def __init__(self, model_dir: Path, device: str = "auto", dtype: str = "auto", kv_cache_mb: int = 512,
+                 block_size: int = 16, gpu_memory_utilization: float = 0.9) -> None:
+        self.device = pick_device(device)
+        self.dtype = pick_dtype(dtype, self.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        self.model = LlamaForCausalLM.from_pretrained(model_dir, dtype=self.dtype, device=self.device)
+        self.max_model_len: int = self.model.config.max_position_embeddings
+        self.eos_token_ids = set(self.model.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        # The pool is allocated after the weights, so that on CUDA it takes a share of what they left.
+        shape = self.model.config.cache_shape(block_size, self.dtype)
+        budget = budget_bytes(self.device, kv_cache_mb, gpu_memory_utilization)
+        self.kv_cache = KVCache.allocate(shape, budget, self.device)
+        self.block_manager = BlockManager(self.kv_cache.num_blocks, block_size)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the whole pool can hold: the most any one sequence can ever reach."""
+        return self.block_manager.num_blocks * self.block_manager.block_size
+
+    # --- text <-> token ids ---------------------------------------------------------------
+    def encode(self, prompt: str) -> list[int]:
+        return self.tokenizer(prompt).input_ids
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Render the conversation with the model's chat template, ready for the assistant's turn."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False).input_ids  # the template has them
+
+    # --- the two phases -------------------------------------------------------------------
+    def _tensor(self, values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
+    def _forward(self, token_ids: list[int], start: int, block_table: list[int], is_prefill: bool) -> torch.Tensor:
+        """Run ``token_ids`` at positions ``start...`` of one sequence; return the last position's logits."""
+        end = start + len(token_ids)
+        self.block_manager.grow(block_table, end)  # a new block only when the last one is full
+        meta = AttentionMetadata(
+            is_prefill=is_prefill,
+            slot_mapping=self._tensor(self.block_manager.slot_mapping(block_table, start, end), torch.int64),
+            block_tables=self._tensor([block_table]),  # [1, num_blocks]: one sequence in this stage
+            context_lens=self._tensor([end]),
+            cu_seqlens=self._tensor([0, len(token_ids)]),
+            max_seqlen=len(token_ids),
+        )
+        input_ids = self._tensor(token_ids, torch.int64)  # [T]
+        positions = torch.arange(start, end, device=self.device)  # [T]
+        hidden = self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
+        return self.model.compute_logits(hidden[-1:])[0]  # logits: [V]
+
+    def prefill(self, prompt_ids: list[int], block_table: list[int]) -> torch.Tensor:
+        """Run the whole prompt at once, writing its K/V into the sequence's blocks; last logits: [V]."""
+        return self._forward(prompt_ids, 0, block_table, is_prefill=True)
+
+    def decode_one_token(self, token_id: int, position: int, block_table: list[int]) -> torch.Tensor:
+        """Run one new token at ``position``, reading the cache through the block table; logits: [V]."""
+        return self._forward([token_id], position, block_table, is_prefill=False)
+
+    # --- the generation loop --------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Iterator[RequestOutput]:
+        """Prefill, then decode one token per step until EOS, a stop string or ``max_tokens``.
+
+        Yields after every token. Whoever iterates may simply stop (a client went away): closing
+        the generator runs the ``finally``, which hands the sequence's blocks back to the pool.
+        """
+        generator = make_generator(params.seed, self.device)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
+        output_ids: list[int] = []
+        block_table: list[int] = []
+        try:
+            logits = self.prefill(prompt_ids, block_table)
+            while True:
+                token_id = sample(logits, params, generator)
+                output_ids.append(token_id)
+                finish_reason = None
+                if token_id in self.eos_token_ids and not params.ignore_eos:
+                    text, finish_reason = detokenizer.flush(), "stop"
+                else:
+                    text = detokenizer.add(token_id)
+                    if detokenizer.stopped:
+                        finish_reason = "stop"
+                    elif len(output_ids) == params.max_tokens:
+                        text, finish_reason = text + detokenizer.flush(), "length"
+                yield RequestOutput(request_id, token_id, text, finish_reason, len(prompt_ids), len(output_ids))
+                if finish_reason is not None:
+                    return
+                position = len(prompt_ids) + len(output_ids) - 1  # the sampled token's own position
+                logits = self.decode_one_token(token_id, position, block_table)
+        finally:
+            self.block_manager.free(block_table)
+
+
+class AsyncEngine:
+    """Runs ``Engine.generate`` on one thread, first come first served, for an asyncio server."""
+
+    def __init__(self, engine: Engine, metrics: Metrics | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics or Metrics()
+        self.metrics.watch_kv_blocks(engine.block_manager)
+        self._inbox: queue.Queue[Request | None] = queue.Queue()  # None asks the thread to exit
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._lock = threading.Lock()  # guards request.state moves between the two threads
+        self._next_id = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._inbox.put(None)
+        self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # --- the HTTP side (asyncio) ----------------------------------------------------------
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Queue a request and yield its outputs as the engine thread produces them.
+
+        If the consumer stops early (the client disconnected, the task was cancelled), the
+        ``finally`` marks the request aborted and the engine thread drops it at its next step.
+        """
+        self._next_id += 1
+        request = Request(f"req-{self._next_id}", prompt_ids, params, loop=asyncio.get_running_loop())
+        self.metrics.waiting.inc()
+        self._inbox.put(request)
+        try:
+            while True:
+                output = await request.outputs.get()
+                if isinstance(output, Exception):
+                    raise output
+                yield output
+                if output.finished:
+                    return
+        finally:
+            self._abort(request)
+
+    def _abort(self, request: Request) -> None:
+        """Forget a request: at once if it still waits, at the engine's next step if it runs."""
+        with self._lock:
+            if request.state == "waiting":
+                self.metrics.waiting.dec()
+            if request.state != "finished":
+                request.state = "aborted"
+
+    # --- the engine thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        while (request := self._inbox.get()) is not None:
+            with self._lock:
+                if request.state == "aborted":  # its client left while it waited
+                    continue
+                request.state = "running"
+                self.metrics.waiting.dec()
+                self.metrics.running.inc()
+            try:
+                self._serve(request)
+            except Exception as exc:  # fail this request, keep serving the others
+                self._deliver(request, exc)
+            finally:
+                with self._lock:
+                    if request.state == "running":
+                        request.state = "finished"
+                    self.metrics.running.dec()
+
+    def _serve(self, request: Request) -> None:
+        self.metrics.prompt_tokens.inc(len(request.prompt_ids))
+        last_token_time = request.arrival_time
+        # closing(): leaving early (an abort) closes the generator at once, so its blocks return now.
+        with closing(self.engine.generate(request.request_id, request.prompt_ids, request.params)) as outputs:
+            for output in outputs:
+                now = time.perf_counter()
+                if output.completion_tokens == 1:
+                    self.metrics.ttft.observe(now - request.arrival_time)
+                else:
+                    self.metrics.itl.observe(now - last_token_time)
+                last_token_time = now
+                self.metrics.generation_tokens.inc()
+                self._deliver(request, output)
+                if request.state == "aborted":
+                    return  # leaving the ``with`` closes the generator, which frees the blocks
+
+    @staticmethod
+    def _deliver(request: Request, item: RequestOutput | Exception) -> None:
+        """Hand an item to the request's asyncio queue from this (non-asyncio) thread."""
+        try:
+            request.loop.call_soon_threadsafe(request.outputs.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            request.state = "aborted"

@@ -1,0 +1,41 @@
+"""Request state: what the engine thread and the HTTP side both need to know about one request."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .sampler import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    """One step's news for the client: the sampled token, the text it made safe to send."""
+
+    request_id: str
+    token_id: int
+    text: str  # may be "" while a character or a possible stop string is incomplete
+    finish_reason: str | None  # None while running; then "stop" or "length"
+    prompt_tokens: int
+    completion_tokens: int  # tokens generated so far, this one included
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    # Where the engine thread delivers RequestOutputs (or an exception): the HTTP side's loop/queue.
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue[RequestOutput | Exception] = field(default_factory=asyncio.Queue)
+    arrival_time: float = field(default_factory=time.perf_counter)
+    output_ids: list[int] = field(default_factory=list)
+    # waiting -> running -> finished, or -> aborted when the client goes away (the engine checks
+    # before every decode step). Moves happen under AsyncEngine's lock.
+    state: Literal["waiting", "running", "finished", "aborted"] = "waiting"
