@@ -118,3 +118,17 @@ def server03(engine03) -> Iterator[LiveServer]:
     with start_fastapi(app) as server:
         server.engine = async_engine
         yield server
+
+
+@pytest.fixture(scope="session")
+def engine04(model_dir: Path):
+    return stage("04_continuous_batching", "engine").Engine(model_dir, device="cpu", dtype="float32", kv_cache_mb=64)
+
+
+@pytest.fixture(scope="session")
+def server04(engine04) -> Iterator[LiveServer]:
+    async_engine = stage("04_continuous_batching", "engine").AsyncEngine(engine04)
+    app = stage("04_continuous_batching", "server").create_app(async_engine, "smollm2-135m-instruct")
+    with start_fastapi(app) as server:
+        server.engine = async_engine
+        yield server

@@ -1,5 +1,6 @@
 """Paged attention (stage 03 on): the Triton kernels agree with the PyTorch reference, and the
-reference agrees with plain dense attention. Without a GPU the kernels run under TRITON_INTERPRET=1."""
+reference agrees with plain dense attention, in every stage that has them (stage 04's decode
+reference is batched). Without a GPU the kernels run under TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
@@ -15,14 +16,28 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def attn():
-    return stage("03_paged_kv", "attention")
+STAGES = ["03_paged_kv", "04_continuous_batching"]
+
+
+@pytest.fixture(scope="module", params=STAGES)
+def folder(request) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def kernels():
-    return stage("03_paged_kv", "triton_attention")
+def attn(folder):
+    return stage(folder, "attention")
+
+
+@pytest.fixture(scope="module")
+def kernels(folder):
+    return stage(folder, "triton_attention")
+
+
+def graded(exercise: str) -> pytest.MarkDecorator:
+    """Run on every stage; stage 03's run grades homework ``exercise``."""
+    return pytest.mark.parametrize(
+        "folder", [pytest.param(STAGES[0], marks=pytest.mark.exercise(exercise)), *STAGES[1:]], indirect=True)
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -58,7 +73,7 @@ def paged_case(seed: int, context_lens: list[int], block_size: int, num_kv_heads
     return q, k_cache, v_cache, block_tables, lens, dense
 
 
-@pytest.mark.exercise("3.3")
+@graded("3.3")
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("context_lens", [[1], [16], [17, 5, 40], [100, 33]])
 def test_decode_reference_equals_dense_attention(attn, context_lens, group):
@@ -129,7 +144,7 @@ def test_prefill_kernel_matches_reference(attn, kernels, num_kv_heads, group, le
     torch.testing.assert_close(out.cpu(), expected, atol=ATOL, rtol=0)
 
 
-def test_the_model_gives_the_same_logits_through_either_implementation(monkeypatch, model_dir):
+def test_stage03_gives_the_same_logits_through_either_implementation(monkeypatch, model_dir):
     """End to end on the embedded model: a prefill then decode steps across a block edge, both ways."""
     engine = stage("03_paged_kv", "engine").Engine(model_dir, device=DEVICE, dtype="float32", kv_cache_mb=8)
     prompt = engine.encode("The primary colours are red, yellow and blue. Mixing two of them gives")
@@ -145,3 +160,16 @@ def test_the_model_gives_the_same_logits_through_either_implementation(monkeypat
         engine.block_manager.free(table)
         logits[impl] = torch.stack(steps).cpu()
     torch.testing.assert_close(logits["triton"], logits["torch"], atol=ATOL, rtol=0)
+
+
+def test_stage04_batches_give_the_same_tokens_through_either_implementation(monkeypatch, model_dir):
+    """A ragged prefill of three prompts, then batched decode steps, with each implementation."""
+    engine = stage("04_continuous_batching", "engine").Engine(model_dir, device=DEVICE, dtype="float32",
+                                                             kv_cache_mb=8)
+    params = stage("04_continuous_batching", "sampler").SamplingParams(max_tokens=4, temperature=0.0)
+    prompts = [engine.encode(p) for p in ("Hello", "The primary colours are red, yellow and", "def add(a, b):")]
+    tokens = {}
+    for impl in ("torch", "triton"):
+        monkeypatch.setenv("LLM_ATTENTION", impl)
+        tokens[impl] = engine.generate(prompts, params)
+    assert tokens["triton"] == tokens["torch"]

@@ -8,7 +8,7 @@ import torch
 
 from .conftest import stage
 
-STAGES = ["01_naive", "02_streaming"]
+STAGES = ["01_naive", "02_streaming", "03_paged_kv"]
 
 
 @pytest.fixture(params=STAGES)

@@ -1,0 +1,269 @@
+"""The engine: continuous batching. Many requests share every forward pass.
+
+Stage 03 ran one request's whole generation before looking at the next. Here the engine runs
+*steps*: before each forward pass the scheduler decides which sequences take part (a prefill of
+newly admitted prompts, or one decode token for every running sequence), the model runner builds
+one flat batch from them, the sampler picks every sequence's next token at once, and finished
+sequences leave and free their blocks. A request that arrives mid-way joins at the next step.
+
+``Engine`` is the synchronous core (``add_request``, ``step``, ``abort``). ``AsyncEngine`` runs its
+step loop on a thread for the asyncio server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from .block_manager import BlockManager
+from .detokenizer import IncrementalDetokenizer
+from .kv_cache import KVCache, budget_bytes
+from .metrics import Metrics
+from .model import LlamaForCausalLM
+from .model_runner import ModelRunner
+from .sampler import SamplingParams, make_generator, sample
+from .scheduler import Scheduler
+from .sequence import Request, RequestOutput, Sequence
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """float32 on CPU (exact, and fast enough for a 135M model); bfloat16 on CUDA."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+class Engine:
+    """One model, one KV-cache pool, and a scheduler that batches every request it holds."""
+
+    def __init__(self, model_dir: Path, device: str = "auto", dtype: str = "auto", kv_cache_mb: int = 512,
+                 block_size: int = 16, gpu_memory_utilization: float = 0.9, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 4096) -> None:
+        self.device = pick_device(device)
+        self.dtype = pick_dtype(dtype, self.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        self.model = LlamaForCausalLM.from_pretrained(model_dir, dtype=self.dtype, device=self.device)
+        self.max_model_len: int = self.model.config.max_position_embeddings
+        self.eos_token_ids = set(self.model.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        # The pool is allocated after the weights, so that on CUDA it takes a share of what they left.
+        shape = self.model.config.cache_shape(block_size, self.dtype)
+        budget = budget_bytes(self.device, kv_cache_mb, gpu_memory_utilization)
+        self.kv_cache = KVCache.allocate(shape, budget, self.device)
+        self.block_manager = BlockManager(self.kv_cache.num_blocks, block_size)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device)
+        self.sequences: dict[str, Sequence] = {}  # every unfinished request, by id
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the whole pool can hold: the most any one sequence can ever reach."""
+        return self.block_manager.num_blocks * self.block_manager.block_size
+
+    # --- text <-> token ids ---------------------------------------------------------------
+    def encode(self, prompt: str) -> list[int]:
+        return self.tokenizer(prompt).input_ids
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Render the conversation with the model's chat template, ready for the assistant's turn."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False).input_ids  # the template has them
+
+    # --- requests in and out --------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request; it joins the batch at a coming step."""
+        assert request_id not in self.sequences, f"duplicate request id {request_id}"
+        # A sequence that outgrew the whole pool could never run, even alone (the server refuses it).
+        if len(prompt_ids) + params.max_tokens > self.kv_capacity_tokens:
+            raise ValueError(f"{len(prompt_ids)} prompt + {params.max_tokens} new tokens exceed the "
+                             f"{self.kv_capacity_tokens} tokens of the KV cache")
+        seq = Sequence(request_id, list(prompt_ids), params, make_generator(params.seed, self.device),
+                       IncrementalDetokenizer(self.tokenizer, params.stop))
+        if arrival_time is not None:
+            seq.arrival_time = arrival_time
+        self.sequences[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request wherever it is (its client left); its blocks return to the pool now."""
+        seq = self.sequences.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.finish(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- one step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward pass for the whole batch, sample, and report every sequence's new token."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        logits = self.runner.run(batch)  # [B, V]
+        token_ids = sample(logits, [seq.params for seq in batch.seqs], [seq.generator for seq in batch.seqs])
+        return [self._append(seq, token_id) for seq, token_id in zip(batch.seqs, token_ids, strict=True)]
+
+    def _append(self, seq: Sequence, token_id: int) -> RequestOutput:
+        """Add a sampled token to its sequence, decide whether the sequence is done, and free it if so."""
+        seq.output_ids.append(token_id)
+        finish_reason = None
+        if token_id in self.eos_token_ids and not seq.params.ignore_eos:
+            text, finish_reason = seq.detokenizer.flush(), "stop"
+        else:
+            text = seq.detokenizer.add(token_id)
+            if seq.detokenizer.stopped:
+                finish_reason = "stop"
+            elif len(seq.output_ids) == seq.params.max_tokens:
+                text, finish_reason = text + seq.detokenizer.flush(), "length"
+        if finish_reason is not None:
+            self.abort(seq.request_id)  # leaves the batch and frees its blocks at once
+        return RequestOutput(seq.request_id, token_id, text, finish_reason, len(seq.prompt_ids),
+                             len(seq.output_ids))
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Offline use (the demo, the tests): run every prompt to the end, all batched; their output ids."""
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        outputs: dict[str, list[int]] = {}
+        for i, (prompt_ids, p) in enumerate(zip(prompts, params, strict=True)):
+            self.add_request(f"offline-{i}", prompt_ids, p)
+            outputs[f"offline-{i}"] = []
+        while self.has_unfinished():
+            for output in self.step():
+                outputs[output.request_id].append(output.token_id)
+        return list(outputs.values())
+
+
+class AsyncEngine:
+    """Runs the engine's step loop on its own thread and bridges it to asyncio.
+
+    The HTTP side never touches the engine: ``generate`` puts the request in an inbox and reads
+    tokens from the request's own asyncio queue. The thread takes everything from the inbox
+    (new requests, aborts) between two steps, so the engine is only ever used by one thread.
+    """
+
+    def __init__(self, engine: Engine, metrics: Metrics | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics or Metrics()
+        self.metrics.watch_kv_blocks(engine.block_manager)
+        self.metrics.watch_scheduler(engine.scheduler)
+        # ("add", Request) or ("abort", request id); None asks the thread to exit.
+        self._inbox: queue.Queue[tuple[str, Request | str] | None] = queue.Queue()
+        self._requests: dict[str, Request] = {}  # owned by the engine thread
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._next_id = 0
+        self._preemptions_seen = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._inbox.put(None)
+        self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # --- the HTTP side (asyncio) ----------------------------------------------------------
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its outputs as the engine thread produces them.
+
+        If the consumer stops early (the client disconnected, the task was cancelled), the
+        ``finally`` asks the engine thread to abort the request, which frees its blocks.
+        """
+        self._next_id += 1
+        request = Request(f"req-{self._next_id}", prompt_ids, params, loop=asyncio.get_running_loop())
+        self._inbox.put(("add", request))
+        try:
+            while True:
+                output = await request.outputs.get()
+                if isinstance(output, Exception):
+                    raise output
+                yield output
+                if output.finished:
+                    request.finished = True
+                    return
+        finally:
+            if not request.finished:
+                self._inbox.put(("abort", request.request_id))
+
+    # --- the engine thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            # Idle: sleep until something arrives. Busy: take what has arrived, without waiting.
+            if not self._drain_inbox(block=not self.engine.has_unfinished()):
+                return
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a failed step fails the requests it held; the server keeps going
+                for request_id in list(self.engine.sequences):
+                    self.engine.abort(request_id)
+                    self._deliver(self._requests.pop(request_id), exc)
+                continue
+            self.metrics.preemptions.inc(self.engine.scheduler.num_preemptions - self._preemptions_seen)
+            self._preemptions_seen = self.engine.scheduler.num_preemptions
+            now = time.perf_counter()
+            for output in outputs:
+                self._record(output, now)
+                request = self._requests[output.request_id]
+                if output.finished:
+                    del self._requests[output.request_id]
+                self._deliver(request, output)
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Apply every queued add and abort; False when asked to stop."""
+        while True:
+            try:
+                item = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            if item is None:
+                return False
+            kind, payload = item
+            if kind == "add":
+                self._add(payload)
+            elif payload in self._requests:  # an abort of a request that has not finished yet
+                del self._requests[payload]
+                self.engine.abort(payload)
+            block = False  # after the first item, take only what is already there
+
+    def _add(self, request: Request) -> None:
+        try:
+            self.engine.add_request(request.request_id, request.prompt_ids, request.params, request.arrival_time)
+        except ValueError as exc:
+            self._deliver(request, exc)
+            return
+        self._requests[request.request_id] = request
+        self.metrics.prompt_tokens.inc(len(request.prompt_ids))
+
+    def _record(self, output: RequestOutput, now: float) -> None:
+        request = self._requests[output.request_id]
+        if output.completion_tokens == 1:
+            self.metrics.ttft.observe(now - request.arrival_time)
+        else:
+            self.metrics.itl.observe(now - request.last_token_time)
+        request.last_token_time = now
+        self.metrics.generation_tokens.inc()
+
+    @staticmethod
+    def _deliver(request: Request, item: RequestOutput | Exception) -> None:
+        """Hand an item to the request's asyncio queue from this (non-asyncio) thread."""
+        try:
+            request.loop.call_soon_threadsafe(request.outputs.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass

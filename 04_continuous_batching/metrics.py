@@ -1,0 +1,48 @@
+"""Prometheus metrics, served at GET /metrics. Each server gets its own registry."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+if TYPE_CHECKING:
+    from .block_manager import BlockManager
+    from .scheduler import Scheduler
+
+disable_created_metrics()  # no *_created series: they only add noise to a course server's output
+
+# Seconds. Fine at the low end: a decode step of a small model takes a few milliseconds.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.running = Gauge("llm_requests_running", "Requests the engine is generating for.", registry=r)
+        self.waiting = Gauge("llm_requests_waiting", "Requests queued, not started yet.", registry=r)
+        self.prompt_tokens = Counter("llm_prompt_tokens", "Prompt tokens prefilled.", registry=r)
+        self.generation_tokens = Counter("llm_generation_tokens", "Tokens generated.", registry=r)
+        self.ttft = Histogram("llm_time_to_first_token_seconds", "Arrival to first token.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("llm_inter_token_latency_seconds", "Time between two tokens of a request.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+
+        self.preemptions = Counter("llm_preemptions", "Sequences preempted (blocks taken back, to be recomputed).",
+                                   registry=r)
+        self.kv_blocks_used = Gauge("llm_kv_blocks_used", "KV-cache blocks held by sequences.", registry=r)
+        self.kv_blocks_free = Gauge("llm_kv_blocks_free", "KV-cache blocks on the free list.", registry=r)
+
+    def watch_kv_blocks(self, blocks: BlockManager) -> None:
+        """Read the block counts when /metrics is scraped, so they are never stale."""
+        self.kv_blocks_used.set_function(lambda: blocks.num_used)
+        self.kv_blocks_free.set_function(lambda: blocks.num_free)
+
+    def watch_scheduler(self, scheduler: Scheduler) -> None:
+        """Read the queue lengths from the scheduler when /metrics is scraped."""
+        self.running.set_function(lambda: len(scheduler.running))
+        self.waiting.set_function(lambda: len(scheduler.waiting))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,128 @@
+"""The scheduler: which sequences run in the next step.
+
+Iteration-level scheduling: the decision is taken again before *every* forward pass, so a request
+that finishes leaves the batch at once and a new one joins at the next step. Two queues:
+
+* ``waiting``: first come, first served. New requests, and preempted ones at the front.
+* ``running``: sequences that hold KV blocks, in the order they were admitted.
+
+Each step is either a **prefill** of newly admitted sequences (as many as fit the limits and the
+pool, their prompts laid end to end) or a **decode** of every running sequence, one token each.
+Prefill comes first: a waiting request is admitted as soon as there is room, which keeps the
+decode batch as full as the pool allows.
+
+When the pool runs dry in the middle of decoding, the most recently admitted sequence is
+**preempted**: it gives back all its blocks and goes back to the front of the waiting queue, to be
+recomputed (its prompt plus what it generated so far, prefilled again) when blocks free up. The
+oldest requests always keep going, so every request finishes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .block_manager import BlockManager
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class Batch:
+    """What the next forward pass runs."""
+
+    seqs: list[Sequence]
+    is_prefill: bool
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the forward pass: whole prompts when prefilling, one per sequence when decoding."""
+        return sum(seq.num_tokens for seq in self.seqs) if self.is_prefill else len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        assert max_num_seqs >= 1 and max_num_batched_tokens >= 1
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs  # the largest decode batch
+        self.max_num_batched_tokens = max_num_batched_tokens  # the most prompt tokens one prefill step runs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        assert seq.status is SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Batch:
+        """The next step: a prefill if anyone can be admitted, else a decode of everyone running."""
+        admitted = self._admit()
+        if admitted:
+            return Batch(admitted, is_prefill=True)
+        return Batch(self._reserve_decode_slots(), is_prefill=False)
+
+    # --- admission ------------------------------------------------------------------------
+    def _admit(self) -> list[Sequence]:
+        """Move sequences from the front of ``waiting`` to ``running``, as many as the limits allow.
+
+        First come, first served: admission stops at the first sequence that does not fit, so a
+        long prompt is never overtaken forever by short ones. A prompt longer than the token budget
+        is still admitted when it is the only one in the step (else it could never run).
+        """
+        batch: list[Sequence] = []
+        num_tokens = 0
+        ### BEGIN SOLUTION 4.1
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if batch and num_tokens + seq.num_tokens > self.max_num_batched_tokens:
+                break
+            if not self.block_manager.can_grow(seq.block_table, seq.num_tokens):
+                break
+            self.waiting.popleft()
+            self.block_manager.grow(seq.block_table, seq.num_tokens)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.append(seq)
+            num_tokens += seq.num_tokens
+        ### END SOLUTION
+        return batch
+
+    # --- decoding, and preemption -----------------------------------------------------------
+    def _reserve_decode_slots(self) -> list[Sequence]:
+        """Give every running sequence room for one more token, oldest first, preempting the newest
+        while the pool is short. Returns the sequences that decode in this step."""
+        ### BEGIN SOLUTION 4.2
+        scheduled: list[Sequence] = []
+        queue = list(self.running)  # admission order: the newest is last
+        while queue:
+            seq = queue.pop(0)
+            while queue and not self.block_manager.can_grow(seq.block_table, seq.num_tokens):
+                self.preempt(queue.pop())  # the newest sequence not served yet gives its blocks back
+            if self.block_manager.can_grow(seq.block_table, seq.num_tokens):
+                self.block_manager.grow(seq.block_table, seq.num_tokens)
+                scheduled.append(seq)
+            else:
+                self.preempt(seq)  # nobody newer is left: this one waits itself
+        return scheduled
+        ### END SOLUTION
+
+    def preempt(self, seq: Sequence) -> None:
+        """Take every block back from a running sequence and queue it, first in line, to be recomputed."""
+        self.running.remove(seq)
+        self.block_manager.free(seq.block_table)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # --- leaving ----------------------------------------------------------------------------
+    def finish(self, seq: Sequence) -> None:
+        """A sequence is done (or aborted): it leaves whichever queue it is in and frees its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq.block_table)
+        seq.status = SequenceStatus.FINISHED

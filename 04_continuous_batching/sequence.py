@@ -1,0 +1,75 @@
+"""Request state. ``Sequence`` is what the engine thread knows about one request; ``Request`` is
+what the HTTP side holds while it waits for that request's tokens; ``RequestOutput`` goes between."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from .detokenizer import IncrementalDetokenizer
+from .sampler import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    """One step's news for the client: the sampled token, the text it made safe to send."""
+
+    request_id: str
+    token_id: int
+    text: str  # may be "" while a character or a possible stop string is incomplete
+    finish_reason: str | None  # None while running; then "stop" or "length"
+    prompt_tokens: int
+    completion_tokens: int  # tokens generated so far, this one included
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"  # in the scheduler's queue: new, or preempted and waiting to be recomputed
+    RUNNING = "running"  # holds blocks; decoded at every step
+    FINISHED = "finished"  # done or aborted; holds nothing
+
+
+@dataclass
+class Sequence:
+    """One request inside the engine: its tokens, its blocks, and how to sample and detokenize it."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator  # this request's own random stream (seeded or not)
+    detokenizer: IncrementalDetokenizer
+    arrival_time: float = field(default_factory=time.perf_counter)
+    output_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_preemptions: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output. While running, the cache holds all but the last: the next step runs it."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+@dataclass
+class Request:
+    """The HTTP side's handle: where the engine thread delivers this request's outputs (or an error)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue[RequestOutput | Exception] = field(default_factory=asyncio.Queue)
+    arrival_time: float = field(default_factory=time.perf_counter)
+    last_token_time: float = 0.0
+    finished: bool = False

@@ -1,0 +1,245 @@
+"""HTTP layer: an OpenAI-compatible FastAPI server that streams tokens as server-sent events.
+
+New in stage 03: a request must fit in the KV-cache pool, and /health reports the pool's blocks.
+
+The handlers only validate, tokenize and translate; generation happens on the engine thread.
+Each token travels engine thread -> asyncio queue -> SSE chunk as soon as it is sampled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager, suppress
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+
+from common.errors import add_error_handlers
+from common.protocol import (
+    APIError,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    SamplingRequest,
+    Usage,
+    check_token_ids,
+    new_id,
+    now,
+    resolve_max_tokens,
+)
+
+from .engine import AsyncEngine
+from .sampler import SamplingParams
+from .sequence import RequestOutput
+
+# What the OpenAPI document says a generation route returns: JSON, or an SSE stream, or an error.
+GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}},
+    400: {"model": ErrorResponse, "description": "Invalid request"},
+}
+
+
+def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
+    tokenizer = engine.engine.tokenizer
+    max_model_len = engine.engine.max_model_len
+    blocks = engine.engine.block_manager
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        engine.stop()
+
+    app = FastAPI(title="Stage 04: continuous batching", lifespan=lifespan)
+    add_error_handlers(app)
+
+    def sampling_params(req: SamplingRequest, prompt_ids: list[int], max_tokens: int | None) -> SamplingParams:
+        """Checks that need the model (its name, its context length), then the engine's params."""
+        if req.model is not None and req.model != model_name:
+            raise APIError(f"model {req.model!r} does not exist; this server serves {model_name!r}",
+                           param="model", code="model_not_found")
+        return SamplingParams(
+            max_tokens=fit_in_pool(len(prompt_ids), max_tokens),
+            temperature=req.temperature,
+            top_k=req.top_k,
+            top_p=req.top_p,
+            seed=req.seed,
+            stop=req.stop,
+            ignore_eos=req.ignore_eos,
+        )
+
+    def fit_in_pool(prompt_tokens: int, requested: int | None) -> int:
+        """The context-length check, then the pool's: a sequence can never hold more than every block.
+
+        Without ``max_tokens`` the request may run until the pool is full; with it, a request that
+        could never fit is refused now rather than failing halfway through its generation.
+        """
+        max_tokens = resolve_max_tokens(prompt_tokens, requested, max_model_len)
+        capacity = engine.engine.kv_capacity_tokens
+        if prompt_tokens + max_tokens <= capacity:
+            return max_tokens
+        if requested is None and prompt_tokens < capacity:
+            return capacity - prompt_tokens
+        raise APIError(
+            f"the prompt has {prompt_tokens} tokens and the request may generate {max_tokens} more, "
+            f"{prompt_tokens + max_tokens} in all, but the KV cache holds at most {capacity} tokens "
+            f"({blocks.num_blocks} blocks of {blocks.block_size}); start the server with a larger --kv-cache-mb",
+            param="max_tokens" if requested is not None else "prompt",
+            code="kv_cache_too_small",
+        )
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=GENERATION_RESPONSES)
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        if isinstance(req.prompt, str):
+            prompt_ids = engine.engine.encode(req.prompt)
+        else:
+            check_token_ids(req.prompt, len(tokenizer))
+            prompt_ids = req.prompt
+        params = sampling_params(req, prompt_ids, req.max_tokens)
+        outputs = engine.generate(prompt_ids, params)
+        rid, created = new_id("cmpl"), now()
+
+        def chunk(text: str | None, finish_reason: str | None, usage: Usage | None = None) -> CompletionResponse:
+            choices = [CompletionChoice(text=text, finish_reason=finish_reason)] if text is not None else []
+            return CompletionResponse(id=rid, created=created, model=model_name, choices=choices, usage=usage)
+
+        if req.stream:
+            return sse_response(outputs, [], chunk, req.include_usage)
+        if (result := await collect(outputs, raw)) is None:
+            return client_gone()
+        text, last = result
+        return JSONResponse(chunk(text, last.finish_reason, usage_of(last)).model_dump())
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=GENERATION_RESPONSES)
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        prompt_ids = engine.engine.encode_chat([{"role": m.role, "content": m.text()} for m in req.messages])
+        params = sampling_params(req, prompt_ids, req.output_limit)
+        outputs = engine.generate(prompt_ids, params)
+        rid, created = new_id("chatcmpl"), now()
+
+        def chunk(text: str | None, finish_reason: str | None, usage: Usage | None = None,
+                  role: str | None = None) -> ChatCompletionChunk:
+            delta = ChatDelta(role=role, content=text)
+            choices = [ChatChunkChoice(delta=delta, finish_reason=finish_reason)] if text is not None else []
+            return ChatCompletionChunk(id=rid, created=created, model=model_name, choices=choices, usage=usage)
+
+        if req.stream:
+            # The first chunk names the role, as OpenAI's does; content follows.
+            return sse_response(outputs, [chunk("", None, role="assistant")], chunk, req.include_usage)
+        if (result := await collect(outputs, raw)) is None:
+            return client_gone()
+        text, last = result
+        response = ChatCompletionResponse(
+            id=rid, created=created, model=model_name,
+            choices=[ChatChoice(message=ChatMessageOut(content=text), finish_reason=last.finish_reason)],
+            usage=usage_of(last),
+        )
+        return JSONResponse(response.model_dump())
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model_name, created=now(), max_model_len=max_model_len)])
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not engine.alive:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        kv_blocks = {"total": blocks.num_blocks, "used": blocks.num_used, "free": blocks.num_free,
+                     "block_size": blocks.block_size}
+        scheduler = engine.engine.scheduler
+        return JSONResponse({"status": "ok", "running": len(scheduler.running), "waiting": len(scheduler.waiting),
+                             "kv_blocks": kv_blocks})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def client_gone() -> Response:
+    """The answer to a client that has left: nobody reads it (499 is nginx's "client closed request")."""
+    return Response(status_code=499)
+
+
+def usage_of(output: RequestOutput) -> Usage:
+    return Usage.of(output.prompt_tokens, output.completion_tokens)
+
+
+# --- streaming -------------------------------------------------------------------------------
+
+
+def sse_event(payload: BaseModel | dict[str, Any]) -> str:
+    """One server-sent event: ``data: <json>`` and a blank line."""
+    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+def sse_response(
+    outputs: AsyncIterator[RequestOutput],
+    first: list[BaseModel],
+    chunk: Callable[..., BaseModel],
+    include_usage: bool,
+) -> StreamingResponse:
+    async def events() -> AsyncIterator[str]:
+        # If the client disconnects, Starlette cancels this generator; closing ``outputs`` then
+        # aborts the request on the engine thread (see AsyncEngine.generate).
+        try:
+            for item in first:
+                yield sse_event(item)
+            last = None
+            async for output in outputs:
+                last = output
+                if output.text or output.finished:  # "" means held back: nothing new to say yet
+                    yield sse_event(chunk(output.text, output.finish_reason))
+            if include_usage and last is not None:
+                yield sse_event(chunk(None, None, usage=usage_of(last)))  # choices: [], usage: {...}
+        except Exception as exc:  # the headers are sent: report the error inside the stream
+            yield sse_event(APIError(f"generation failed: {type(exc).__name__}: {exc}", 500).body())
+        finally:
+            await outputs.aclose()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def collect(outputs: AsyncIterator[RequestOutput], raw: Request) -> tuple[str, RequestOutput] | None:
+    """Gather a whole completion, or None if the client disconnected first (the request is aborted)."""
+
+    async def gather() -> tuple[str, RequestOutput]:
+        parts, last = [], None
+        async for output in outputs:
+            parts.append(output.text)
+            last = output
+        assert last is not None and last.finished
+        return "".join(parts), last
+
+    async def disconnected() -> None:
+        # The body has been read, so the next ASGI message is the client going away.
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    work, watch = asyncio.create_task(gather()), asyncio.create_task(disconnected())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()  # raises inside ``outputs``, whose ``finally`` aborts the request
+            with suppress(asyncio.CancelledError):
+                await work
+    return None if work.cancelled() else work.result()

@@ -1,0 +1,203 @@
+"""Stage 04: many requests share every forward pass, and each still gets exactly what Hugging Face
+computes for it alone, with or without preemption; seeded sampling does not depend on the batch;
+the server serves many clients at once and frees what a disconnected one held."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from .conftest import REPO, stage
+from .prompts import CHAT_PROMPTS, TEXT_PROMPTS
+
+sampler = stage("04_continuous_batching", "sampler")
+MODEL = "smollm2-135m-instruct"
+
+# 16 prompts of mixed lengths (3 to about 60 tokens): ragged prefills, and decodes that end at different steps.
+MIXED_PROMPTS = [
+    *TEXT_PROMPTS,
+    "Hello",
+    "Once upon a time, in a small village at the foot of the mountains, there lived an old clockmaker who",
+    "Q: What is 12 times 12?\nA:",
+    "import numpy as np\n\ndef softmax(x):",
+    "The three laws of thermodynamics are",
+    "Dear hiring manager, I am writing to apply for the position of",
+    "La capitale de la France est",
+    "Here is a list of prime numbers: 2, 3, 5, 7,",
+    "In 1969, Neil Armstrong",
+    "SELECT name, age FROM users WHERE",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick brown",
+    "Photosynthesis is the process by which plants",
+]
+
+
+def greedy(max_tokens: int, **kwargs):
+    return sampler.SamplingParams(max_tokens=max_tokens, temperature=0.0, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def mixed(engine04, hf_greedy) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, Hugging Face's greedy 24 tokens for that prompt alone) for the 16 prompts."""
+    assert len(MIXED_PROMPTS) == 16
+    return [(ids, hf_greedy(ids, 24)) for ids in map(engine04.encode, MIXED_PROMPTS)]
+
+
+def test_a_batch_of_16_mixed_prompts_equals_hf_on_each_alone(engine04, mixed):
+    outputs = engine04.generate([ids for ids, _ in mixed], greedy(24))
+    for (ids, expected), ours in zip(mixed, outputs, strict=True):
+        assert ours == expected, engine04.tokenizer.decode(ids)
+    assert engine04.block_manager.num_used == 0 and not engine04.has_unfinished()
+
+
+def test_requests_that_join_mid_way_still_equal_hf(engine04, mixed):
+    """Arrivals at different steps: each joins the running batch at the next step."""
+    outputs: dict[str, list[int]] = {}
+    batch_sizes = []
+    for step in range(200):
+        if step % 3 == 0 and step // 3 < 8:
+            i = step // 3
+            engine04.add_request(f"late-{i}", mixed[i][0], greedy(24))
+            outputs[f"late-{i}"] = []
+        if not engine04.has_unfinished():
+            break
+        step_outputs = engine04.step()
+        batch_sizes.append(len(step_outputs))
+        for output in step_outputs:
+            outputs[output.request_id].append(output.token_id)
+    assert [outputs[f"late-{i}"] for i in range(8)] == [expected for _, expected in mixed[:8]]
+    assert max(batch_sizes) > 4  # they really ran together
+
+
+def test_preemption_by_recomputation_keeps_every_output_exact(model_dir, mixed):
+    """A pool of 7 blocks (112 tokens) for 8 sequences of up to 3 blocks each: some must be preempted."""
+    engine = stage("04_continuous_batching", "engine").Engine(model_dir, device="cpu", dtype="float32",
+                                                             kv_cache_mb=5)
+    assert engine.block_manager.num_blocks == 7
+    prompts = [(ids, expected) for ids, expected in mixed if len(ids) + 24 <= 48][:8]
+    assert len(prompts) == 8
+    outputs = engine.generate([ids for ids, _ in prompts], greedy(24))
+    assert engine.scheduler.num_preemptions > 0
+    assert outputs == [expected for _, expected in prompts]
+    assert engine.block_manager.num_used == 0
+
+
+def test_a_seeded_request_gives_the_same_text_whatever_its_batch(engine04):
+    prompt = engine04.encode("Once upon a time")
+    params = sampler.SamplingParams(max_tokens=16, temperature=0.8, top_k=50, top_p=0.9, seed=7)
+    alone = engine04.generate([prompt], params)[0]
+    others = [sampler.SamplingParams(max_tokens=n, temperature=1.0, seed=None) for n in (4, 20, 9)]
+    in_batch = engine04.generate([engine04.encode(p) for p in TEXT_PROMPTS[:3]] + [prompt], [*others, params])[-1]
+    assert in_batch == alone
+    assert engine04.generate([prompt], sampler.SamplingParams(max_tokens=16, temperature=0.8, seed=8))[0] != alone
+
+
+def test_abort_frees_the_blocks_at_once(engine04):
+    engine04.add_request("gone", engine04.encode("Count: 1, 2, 3,"), greedy(500, ignore_eos=True))
+    for _ in range(5):
+        engine04.step()
+    assert engine04.block_manager.num_used > 0
+    engine04.abort("gone")
+    assert engine04.block_manager.num_used == 0 and not engine04.has_unfinished()
+
+
+def test_a_request_larger_than_the_pool_is_refused(engine04):
+    with pytest.raises(ValueError, match="exceed"):
+        engine04.add_request("huge", [1, 2, 3], greedy(engine04.kv_capacity_tokens))
+    assert not engine04.has_unfinished()
+
+
+# --- the batched sampler ------------------------------------------------------------------------------
+
+
+def test_batched_probs_equal_stage03_row_by_row():
+    import torch
+
+    old = stage("03_paged_kv", "sampler")
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    rows = [dict(temperature=0.7, top_k=5), dict(temperature=1.0, top_p=0.8), dict(temperature=1.3),
+            dict(temperature=0.5, top_k=10, top_p=0.5)]
+    batched = sampler.logits_to_probs(logits, [sampler.SamplingParams(**row) for row in rows])
+    for i, row in enumerate(rows):
+        torch.testing.assert_close(batched[i], old.logits_to_probs(logits[i], old.SamplingParams(**row)))
+
+
+def test_batched_sampling_follows_the_distribution():
+    import torch
+
+    probs = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    logits = probs.log().expand(2, 4)
+    params = [sampler.SamplingParams(temperature=1.0), sampler.SamplingParams(temperature=0.0)]
+    generators = [sampler.make_generator(i) for i in range(2)]
+    counts = torch.zeros(4)
+    for _ in range(2000):
+        first, second = sampler.sample(logits, params, generators)
+        counts[first] += 1
+        assert second == 0  # the greedy row
+    assert counts[3] == 0
+    torch.testing.assert_close(counts / counts.sum(), probs, atol=0.04, rtol=0)
+
+
+# --- the server ---------------------------------------------------------------------------------------
+
+
+def test_many_concurrent_clients_all_complete(server04):
+    client = server04.client()
+
+    def one(i: int) -> tuple[str, int]:
+        response = client.completions.create(model=MODEL, prompt=MIXED_PROMPTS[i % 16], max_tokens=8 + i % 5,
+                                             temperature=0, extra_body={"ignore_eos": True})
+        return response.choices[0].finish_reason, response.usage.completion_tokens
+
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(one, range(32)))
+    assert results == [("length", 8 + i % 5) for i in range(32)]
+    assert server04.metric("llm_kv_blocks_used") == 0
+
+
+@pytest.mark.parametrize("prompt", CHAT_PROMPTS)
+def test_http_chat_greedy_equals_hf(server04, engine04, hf_greedy, prompt):
+    response = server04.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=16, temperature=0)
+    expected = hf_greedy(engine04.encode_chat([{"role": "user", "content": prompt}]), 16)
+    assert response.choices[0].message.content == engine04.tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_health_and_metrics(server04, engine04):
+    health = httpx.get(f"{server04.url}/health").json()
+    assert health["running"] == 0 and health["waiting"] == 0
+    assert health["kv_blocks"]["used"] == 0 and health["kv_blocks"]["total"] == engine04.block_manager.num_blocks
+    assert server04.metric("llm_preemptions_total") == 0
+    assert server04.metric("llm_requests_running") == 0
+
+
+def test_a_disconnected_stream_frees_its_blocks_and_others_carry_on(server04):
+    client = server04.client()
+    stream = client.completions.create(model=MODEL, prompt="Count forever:", max_tokens=1000, stream=True,
+                                       extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    for _ in range(10):
+        next(chunks)
+    assert server04.metric("llm_kv_blocks_used") > 0
+    stream.close()
+    deadline = time.monotonic() + 2.0
+    while server04.metric("llm_kv_blocks_used") != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server04.metric("llm_kv_blocks_used") == 0 and server04.metric("llm_requests_running") == 0
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_a_request_that_can_never_fit_is_a_400(server04, engine04):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": engine04.kv_capacity_tokens}
+    response = httpx.post(f"{server04.url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["code"] == "kv_cache_too_small"
+
+
+def test_cli_help_names_the_batching_flags():
+    out = subprocess.run([sys.executable, "-m", "04_continuous_batching", "--help"], cwd=REPO, capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    assert "--max-num-seqs" in out and "--max-num-batched-tokens" in out and "--demo" in out
