@@ -72,6 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              f"{QUICK.max_tokens} tokens, written under results/quick/ (also: QUICK=1)")
     parser.add_argument("--no-stream", action="store_true",
                         help="send non-streaming requests (found out by itself when the server answers 400)")
+    parser.add_argument("--extra-body", type=json.loads, default={},
+                        help="JSON object merged into every request body; a null removes a field, e.g. "
+                             "'{\"ignore_eos\": null}' for a server that rejects fields it does not know")
     parser.add_argument("--levels", type=int, nargs="+", help="override the concurrency levels")
     parser.add_argument("--requests", type=int, help="override the requests per level")
     parser.add_argument("--max-tokens", type=int, help="override the output tokens per request")
@@ -217,12 +220,13 @@ def exit_on_sigterm() -> None:
 # --- measuring and writing -------------------------------------------------------------------------
 
 
-async def measure(url: str, model: str, stream: bool, sweep: Sweep, label: str) -> tuple[bool, list[LevelResult]]:
+async def measure(url: str, model: str, stream: bool, sweep: Sweep, label: str,
+                  extra_body: dict[str, Any]) -> tuple[bool, list[LevelResult]]:
     """Find out whether the server streams, warm it up, then run every level."""
-    if stream and not await probe_streaming(url, model):
+    if stream and not await probe_streaming(url, model, extra_body):
         print("The server answered 400 to a streaming request: measuring without streaming.", flush=True)
         stream = False
-    workload = Workload(url, model, sweep.max_tokens, stream=stream)
+    workload = Workload(url, model, sweep.max_tokens, stream=stream, extra_body=extra_body)
     await warm_up(workload)
     return stream, await run_sweep(workload, sweep.levels, sweep.requests_per_level, label)
 
@@ -281,10 +285,10 @@ def main(argv: list[str] | None = None) -> None:
                           "--model", args.model, "--device", device, "--dtype", dtype]
         model = served_name(args.model)
         with stage_server(server_command, url):
-            stream, levels = asyncio.run(measure(url, model, not args.no_stream, sweep, name))
+            stream, levels = asyncio.run(measure(url, model, not args.no_stream, sweep, name, args.extra_body))
     else:
         name, url, model = args.name, args.url.rstrip("/"), args.model
-        stream, levels = asyncio.run(measure(url, model, not args.no_stream, sweep, name))
+        stream, levels = asyncio.run(measure(url, model, not args.no_stream, sweep, name, args.extra_body))
 
     result = {
         "name": name,
@@ -294,7 +298,8 @@ def main(argv: list[str] | None = None) -> None:
         "dtype": dtype,
         "streaming": stream,
         "quick": args.quick,
-        "workload": {**asdict(sweep), "temperature": 0, "ignore_eos": True, "prompts": PROMPTS},
+        "workload": {**asdict(sweep), "temperature": 0, "ignore_eos": True, "prompts": PROMPTS,
+                     "extra_body": args.extra_body},
         "machine": machine,
         "command": shlex.join(sys.orig_argv),
         "server_command": shlex.join(server_command) if server_command else None,

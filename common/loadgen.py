@@ -57,6 +57,8 @@ class Workload:
     stream: bool = True
     prompts: list[str] = field(default_factory=lambda: list(PROMPTS))
     timeout_s: float = 900.0  # generous: at concurrency 64 a one-at-a-time server queues for minutes
+    # Fields merged into every request body; a None value removes one (a peer that rejects ignore_eos).
+    extra_body: dict[str, Any] = field(default_factory=dict)
 
     def body(self, index: int) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -70,7 +72,8 @@ class Workload:
             body["model"] = self.model
         if self.stream:
             body["stream_options"] = {"include_usage": True}
-        return body
+        body.update(self.extra_body)
+        return {key: value for key, value in body.items() if value is not None}
 
 
 @dataclass
@@ -314,10 +317,10 @@ def format_summary(s: dict[str, Any]) -> str:
             f"in flight {s['in_flight']['mean'] or 0:5.1f} ({s['in_flight']['source']}), errors {s['errors']}")
 
 
-async def probe_streaming(url: str, model: str | None) -> bool:
+async def probe_streaming(url: str, model: str | None, extra_body: dict[str, Any] | None = None) -> bool:
     """Send one small streaming request: True if the server streams, False if it answers 400
     (stage 01 cannot stream)."""
-    workload = Workload(url, model, max_tokens=2, stream=True)
+    workload = Workload(url, model, max_tokens=2, stream=True, extra_body=extra_body or {})
     async with new_client(workload, 1) as client:
         async with client.stream("POST", "/v1/completions", json=workload.body(0)) as response:
             await response.aread()

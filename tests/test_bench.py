@@ -162,3 +162,13 @@ def test_bench_measures_a_running_server_by_url(server02, tmp_path):
     assert result["dtype"] is None  # not told, and a client cannot see it
     assert result["levels"][0]["errors"] == 0 and result["levels"][0]["output_tokens"] == 8
     assert (tmp_path / "outside.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_extra_body_adds_and_removes_request_fields():
+    """--extra-body, for peers that refuse our fields: a value is merged in, a null removes the field."""
+    workload = loadgen.Workload("http://x", MODEL, max_tokens=4, extra_body={"ignore_eos": None, "seed": 3})
+    body = workload.body(0)
+    assert "ignore_eos" not in body and body["seed"] == 3 and body["max_tokens"] == 4
+    assert loadgen.Workload("http://x", MODEL, max_tokens=4).body(0)["ignore_eos"] is True
+    args = bench.parse_args(["--url", "http://x", "--name", "peer", "--extra-body", '{"ignore_eos": null}'])
+    assert args.extra_body == {"ignore_eos": None}
