@@ -70,7 +70,7 @@ class ModelRunner:
             cu_seqlens=self._tensor(list(range(len(seqs) + 1))),
             max_seqlen=1,
         )
-        input_ids = [seq.token_ids[-1] for seq in seqs]
+        input_ids = [seq.last_token_id for seq in seqs]
         return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta
 
     @torch.inference_mode()

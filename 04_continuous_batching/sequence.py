@@ -56,6 +56,11 @@ class Sequence:
         return self.prompt_ids + self.output_ids
 
     @property
+    def last_token_id(self) -> int:
+        """The newest token: the one the next decode step runs."""
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
     def num_tokens(self) -> int:
         """Prompt plus output. While running, the cache holds all but the last: the next step runs it."""
         return len(self.prompt_ids) + len(self.output_ids)

@@ -89,6 +89,15 @@ def engine02(model_dir: Path):
     return stage("02_streaming", "engine").Engine(model_dir, device="cpu", dtype="float32")
 
 
+def serve_stage(folder: str, engine) -> Iterator[LiveServer]:
+    """A FastAPI stage (02 on) serving ``engine`` on a free port; ``server.engine`` is its AsyncEngine."""
+    async_engine = stage(folder, "engine").AsyncEngine(engine)
+    app = stage(folder, "server").create_app(async_engine, "smollm2-135m-instruct")
+    with start_fastapi(app) as server:
+        server.engine = async_engine
+        yield server
+
+
 @pytest.fixture(scope="session")
 def server01(engine01) -> Iterator[LiveServer]:
     app = stage("01_naive", "server").create_app(engine01, "smollm2-135m-instruct")
@@ -98,11 +107,7 @@ def server01(engine01) -> Iterator[LiveServer]:
 
 @pytest.fixture(scope="session")
 def server02(engine02) -> Iterator[LiveServer]:
-    async_engine = stage("02_streaming", "engine").AsyncEngine(engine02)
-    app = stage("02_streaming", "server").create_app(async_engine, "smollm2-135m-instruct")
-    with start_fastapi(app) as server:
-        server.engine = async_engine
-        yield server
+    yield from serve_stage("02_streaming", engine02)
 
 
 @pytest.fixture(scope="session")
@@ -113,11 +118,7 @@ def engine03(model_dir: Path):
 
 @pytest.fixture(scope="session")
 def server03(engine03) -> Iterator[LiveServer]:
-    async_engine = stage("03_paged_kv", "engine").AsyncEngine(engine03)
-    app = stage("03_paged_kv", "server").create_app(async_engine, "smollm2-135m-instruct")
-    with start_fastapi(app) as server:
-        server.engine = async_engine
-        yield server
+    yield from serve_stage("03_paged_kv", engine03)
 
 
 @pytest.fixture(scope="session")
@@ -127,8 +128,4 @@ def engine04(model_dir: Path):
 
 @pytest.fixture(scope="session")
 def server04(engine04) -> Iterator[LiveServer]:
-    async_engine = stage("04_continuous_batching", "engine").AsyncEngine(engine04)
-    app = stage("04_continuous_batching", "server").create_app(async_engine, "smollm2-135m-instruct")
-    with start_fastapi(app) as server:
-        server.engine = async_engine
-        yield server
+    yield from serve_stage("04_continuous_batching", engine04)
