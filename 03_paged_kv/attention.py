@@ -88,7 +88,8 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) 
     # cache: [N, S, Hkv, D]; block_table: [max_blocks] -> [context_len, Hkv, D]
     block_size = cache.shape[1]
     num_blocks = (context_len + block_size - 1) // block_size
-    blocks = cache[block_table[:num_blocks].long()]  # [num_blocks, S, Hkv, D]
+    # index_select, not cache[block_table]: the same copy, several times faster on CPU.
+    blocks = cache.index_select(0, block_table[:num_blocks])  # [num_blocks, S, Hkv, D]
     return blocks.flatten(0, 1)[:context_len]  # the last block may be only partly filled
 
 

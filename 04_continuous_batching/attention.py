@@ -89,8 +89,9 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     Each row has ``max_blocks * block_size`` positions; those at or past a sequence's context
     length hold whatever its padding blocks hold, and attention must mask them out."""
     # cache: [N, S, Hkv, D]; block_tables: [B, max_blocks] -> [B, max_blocks * S, Hkv, D]
-    blocks = cache[block_tables.long()]  # [B, max_blocks, S, Hkv, D]
-    return blocks.flatten(1, 2)
+    # index_select, not cache[block_tables]: the same copy, several times faster on CPU.
+    blocks = cache.index_select(0, block_tables.flatten())  # [B * max_blocks, S, Hkv, D]
+    return blocks.view(block_tables.shape[0], -1, *cache.shape[2:])
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
