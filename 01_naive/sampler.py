@@ -11,13 +11,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+# Below this, sampling is greedy: logits divided by a smaller temperature overflow float32
+# (and 1e-300 itself rounds to 0 in float32), while the distribution is already one-hot.
+MIN_TEMPERATURE = 1e-5
+
 
 @dataclass
 class SamplingParams:
     """What a request asks of generation; the server has validated the ranges."""
 
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or below MIN_TEMPERATURE) means greedy
     top_k: int = 0  # 0 (or -1) keeps every token
     top_p: float = 1.0  # 1.0 keeps every token
     seed: int | None = None  # the same seed gives the same text
@@ -26,7 +30,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_TEMPERATURE
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
@@ -62,6 +66,7 @@ def apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     # A token is dropped when the tokens ranked above it already reach top_p; the best always stays.
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
     drop_sorted = mass_before >= top_p
+    drop_sorted[0] = False  # explicitly: rounding can leave the first mass_before a hair above 0
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
     ### END SOLUTION

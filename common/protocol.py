@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -65,7 +65,7 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
     return APIError(message, param=param, code=first.get("type"))
 
 
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+_TYPE_TAGS = {"constrained-str", "str", "int", "float", "bool", "list", "dict", "none"}
 
 
 def field_path(loc: tuple[Any, ...]) -> list[str]:
@@ -89,6 +89,11 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# Constraints in the types, so that the OpenAPI document says what the server accepts.
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0)]
+
+
 class SamplingRequest(BaseModel):
     """Fields that completions and chat completions share."""
 
@@ -98,9 +103,9 @@ class SamplingRequest(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, description="Keep the k most likely tokens; 0 or -1 keeps all.")
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64, description="What torch.Generator.manual_seed accepts.")
     # Accepts a string or a list; after validation it is always a list of up to 4 strings.
-    stop: str | list[str] | None = Field(
+    stop: NonEmptyStr | list[NonEmptyStr] | None = Field(
         None, validate_default=True, description="Up to 4 strings; text ends before any of them."
     )
     stream: bool = False
@@ -115,8 +120,6 @@ class SamplingRequest(BaseModel):
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if len(stops) > 4:
             raise ValueError("at most 4 stop strings are allowed")
-        if any(s == "" for s in stops):
-            raise ValueError("stop strings must not be empty")
         return stops
 
     @property
@@ -125,15 +128,9 @@ class SamplingRequest(BaseModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[int] = Field(description="Text, or a list of token ids.")
+    prompt: NonEmptyStr | Annotated[list[TokenId], Field(min_length=1)] = Field(
+        description="Text, or a list of token ids.")
     max_tokens: int | None = Field(16, ge=1)
-
-    @field_validator("prompt")
-    @classmethod
-    def _check_prompt(cls, prompt: str | list[int]) -> str | list[int]:
-        if len(prompt) == 0:
-            raise ValueError("prompt must not be empty")
-        return prompt
 
 
 class TextPart(BaseModel):

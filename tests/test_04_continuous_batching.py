@@ -118,9 +118,9 @@ def test_batched_probs_equal_stage03_row_by_row():
     import torch
 
     old = stage("03_paged_kv", "sampler")
-    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
     rows = [dict(temperature=0.7, top_k=5), dict(temperature=1.0, top_p=0.8), dict(temperature=1.3),
-            dict(temperature=0.5, top_k=10, top_p=0.5)]
+            dict(temperature=0.5, top_k=10, top_p=0.5), dict(top_p=5e-324), dict(temperature=1e-5, top_k=2**70)]
     batched = sampler.logits_to_probs(logits, [sampler.SamplingParams(**row) for row in rows])
     for i, row in enumerate(rows):
         torch.testing.assert_close(batched[i], old.logits_to_probs(logits[i], old.SamplingParams(**row)))

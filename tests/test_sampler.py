@@ -124,3 +124,16 @@ def test_same_seed_same_tokens(sampler):
 
     assert draw(7) == draw(7)
     assert draw(7) != draw(8)
+
+
+def test_extreme_but_valid_parameters_still_give_a_distribution(sampler):
+    """Found by the fuzz: a temperature of 1e-300 made inf - inf (it is 0 in float32), and a top_p of
+    5e-324 dropped every token (rounding left the best token's mass-before a hair above 0)."""
+    logits = torch.randn(49152, generator=torch.Generator().manual_seed(0)) * 10
+    best = int(torch.argmax(logits))
+    assert sampler.SamplingParams(temperature=1e-300).greedy
+    assert sampler.sample(logits, sampler.SamplingParams(temperature=1e-300), torch.Generator()) == best
+    for params in (sampler.SamplingParams(temperature=sampler.MIN_TEMPERATURE),
+                   sampler.SamplingParams(temperature=1.0, top_p=5e-324)):
+        probs = sampler.logits_to_probs(logits, params)
+        assert torch.isfinite(probs).all() and kept(probs) == {best}
