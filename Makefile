@@ -16,6 +16,7 @@ help:
 	@echo "make demo [STAGE=NN]  run a stage's --demo on the embedded model (default: latest stage)"
 	@echo "make serve [STAGE=NN] start a stage's server on 127.0.0.1"
 	@echo "make bench [STAGE=NN] [QUICK=1]  benchmark a stage: results/<device>/NN_name.json + .png"
+	@echo "make soak [STAGE=NN]             waves of 256 streaming clients: every request whole, memory flat"
 	@echo "make notebooks        re-run every notebook in notebooks/ and save its outputs"
 	@echo "make homework [STAGE=NN]         write a student copy to homework/NN_name/ (see its EXERCISES.md)"
 	@echo "make grade [STAGE=NN] [DIR=homework]  grade a copy: a score per exercise (DIR=. grades the reference)"
@@ -41,9 +42,12 @@ serve: install
 
 # The standard concurrency sweep against the stage's own server; QUICK=1 is the short CI version,
 # written under results/quick/ so that it never overwrites the committed results.
-.PHONY: bench
+.PHONY: bench soak
 bench: install
 	$(PY) -m common.bench --stage $(STAGE) $(if $(filter 1,$(QUICK)),--quick)
+
+soak: install
+	$(PY) -m common.soak --stage $(STAGE)
 
 .PHONY: notebooks
 notebooks: install

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from common.cli import DEMO_PROMPTS, model_dir_or_exit, served_name, stage_parser
+from common.limits import Limits, add_limit_args
 
 from .engine import AsyncEngine, Engine
 from .sampler import SamplingParams
@@ -27,8 +28,10 @@ def demo(engine: Engine, max_tokens: int) -> None:
 
 
 def main() -> None:
-    args = stage_parser("02_streaming", "Stage 02: an async, streaming, OpenAI-compatible server.",
-                        default_port=8002).parse_args()
+    parser = stage_parser("02_streaming", "Stage 02: an async, streaming, OpenAI-compatible server.",
+                          default_port=8002)
+    add_limit_args(parser)
+    args = parser.parse_args()
     engine = Engine(model_dir_or_exit(args.model), device=args.device, dtype=args.dtype)
     print(f"Loaded {args.model} on {engine.device} ({engine.dtype}), context {engine.max_model_len} tokens")
     if args.demo:
@@ -38,7 +41,8 @@ def main() -> None:
 
     from .server import create_app
 
-    uvicorn.run(create_app(AsyncEngine(engine), served_name(args.model)), host=args.host, port=args.port)
+    app = create_app(AsyncEngine(engine), served_name(args.model), Limits.from_args(args))
+    uvicorn.run(app, host=args.host, port=args.port)
 
 
 if __name__ == "__main__":

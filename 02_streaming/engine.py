@@ -113,6 +113,10 @@ class Engine:
             logits, cache = self.decode_one_token(token_id, cache)
 
 
+class EngineStopped(RuntimeError):
+    """The engine thread has exited: nothing it held or was sent will ever be served."""
+
+
 class AsyncEngine:
     """Runs ``Engine.generate`` on one thread, first come first served, for an asyncio server."""
 
@@ -122,6 +126,7 @@ class AsyncEngine:
         self._inbox: queue.Queue[Request | None] = queue.Queue()  # None asks the thread to exit
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._lock = threading.Lock()  # guards request.state moves between the two threads
+        self._stopped = False  # set under the lock when the thread exits: submitting then fails fast
         self._next_id = 0
 
     def start(self) -> None:
@@ -135,6 +140,12 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def load(self) -> dict[str, int]:
+        """Requests being generated for and requests queued, as the metrics count them."""
+        value = self.metrics.registry.get_sample_value
+        return {"running": int(value("llm_requests_running")), "waiting": int(value("llm_requests_waiting"))}
+
     # --- the HTTP side (asyncio) ----------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs as the engine thread produces them.
@@ -144,8 +155,11 @@ class AsyncEngine:
         """
         self._next_id += 1
         request = Request(f"req-{self._next_id}", prompt_ids, params, loop=asyncio.get_running_loop())
-        self.metrics.waiting.inc()
-        self._inbox.put(request)
+        with self._lock:
+            if self._stopped:
+                raise EngineStopped("the engine has stopped; the server must be restarted")
+            self.metrics.waiting.inc()
+            self._inbox.put(request)
         try:
             while True:
                 output = await request.outputs.get()
@@ -169,6 +183,16 @@ class AsyncEngine:
 
     # --- the engine thread ----------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._serve_in_order()
+        finally:  # a normal stop, or a bug that killed the thread: fail whatever is left at once
+            with self._lock:
+                self._stopped = True
+            while not self._inbox.empty():
+                if (request := self._inbox.get()) is not None and request.state == "waiting":
+                    self._deliver(request, EngineStopped("the engine stopped before serving this request"))
+
+    def _serve_in_order(self) -> None:
         while (request := self._inbox.get()) is not None:
             with self._lock:
                 if request.state == "aborted":  # its client left while it waited
@@ -180,6 +204,9 @@ class AsyncEngine:
                 self._serve(request)
             except Exception as exc:  # fail this request, keep serving the others
                 self._deliver(request, exc)
+            except BaseException:  # the thread itself is going down: say so, then go
+                self._deliver(request, EngineStopped("the engine stopped while serving this request"))
+                raise
             finally:
                 with self._lock:
                     if request.state == "running":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from common.cli import DEMO_PROMPTS, model_dir_or_exit, served_name, stage_parser
+from common.limits import Limits, add_limit_args
 
 from .engine import AsyncEngine, Engine
 from .sampler import SamplingParams
@@ -36,6 +37,7 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="on CUDA, the share of free memory (after the weights) the pool takes (default: 0.9)")
     parser.add_argument("--block-size", type=int, default=16, choices=[16, 32, 64, 128], help="tokens per block")
+    add_limit_args(parser)
     args = parser.parse_args()
     engine = Engine(model_dir_or_exit(args.model), device=args.device, dtype=args.dtype, kv_cache_mb=args.kv_cache_mb,
                     block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization)
@@ -50,7 +52,8 @@ def main() -> None:
 
     from .server import create_app
 
-    uvicorn.run(create_app(AsyncEngine(engine), served_name(args.model)), host=args.host, port=args.port)
+    app = create_app(AsyncEngine(engine), served_name(args.model), Limits.from_args(args))
+    uvicorn.run(app, host=args.host, port=args.port)
 
 
 if __name__ == "__main__":

@@ -114,9 +114,18 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        logits = self.runner.run(batch)  # [B, V]
-        token_ids = sample(logits, [seq.params for seq in batch.seqs], [seq.generator for seq in batch.seqs])
-        return [self._append(seq, token_id) for seq, token_id in zip(batch.seqs, token_ids, strict=True)]
+        try:
+            logits = self.runner.run(batch)  # [B, V]
+            token_ids = sample(logits, [seq.params for seq in batch.seqs], [seq.generator for seq in batch.seqs])
+        except Exception as exc:  # one pass for the whole batch: all of it fails (their caches are half written)
+            return [self._fail(seq, exc) for seq in batch.seqs]
+        outputs = []
+        for seq, token_id in zip(batch.seqs, token_ids, strict=True):
+            try:
+                outputs.append(self._append(seq, token_id))
+            except Exception as exc:  # this sequence's own work (its text, its stop strings): only it fails
+                outputs.append(self._fail(seq, exc))
+        return outputs
 
     def _append(self, seq: Sequence, token_id: int) -> RequestOutput:
         """Add a sampled token to its sequence, decide whether the sequence is done, and free it if so."""
@@ -135,6 +144,11 @@ class Engine:
         return RequestOutput(seq.request_id, token_id, text, finish_reason, len(seq.prompt_ids),
                              len(seq.output_ids))
 
+    def _fail(self, seq: Sequence, error: Exception) -> RequestOutput:
+        """End a sequence with an error: it leaves the batch, its blocks return, its client is told."""
+        self.abort(seq.request_id)
+        return RequestOutput(seq.request_id, -1, "", "error", len(seq.prompt_ids), len(seq.output_ids), error)
+
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Offline use (the demo, the tests): run every prompt to the end, all batched; their output ids."""
         params = params if isinstance(params, list) else [params] * len(prompts)
@@ -144,8 +158,14 @@ class Engine:
             outputs[f"offline-{i}"] = []
         while self.has_unfinished():
             for output in self.step():
+                if output.error is not None:
+                    raise output.error
                 outputs[output.request_id].append(output.token_id)
         return list(outputs.values())
+
+
+class EngineStopped(RuntimeError):
+    """The engine thread has exited: nothing it held or was sent will ever be served."""
 
 
 class AsyncEngine:
@@ -165,6 +185,8 @@ class AsyncEngine:
         self._inbox: queue.Queue[tuple[str, Request | str] | None] = queue.Queue()
         self._requests: dict[str, Request] = {}  # owned by the engine thread
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._lock = threading.Lock()  # so that no request slips into the inbox after the thread's last look
+        self._stopped = False  # set under the lock when the thread exits: submitting then fails fast
         self._next_id = 0
         self._preemptions_seen = 0
 
@@ -188,7 +210,10 @@ class AsyncEngine:
         """
         self._next_id += 1
         request = Request(f"req-{self._next_id}", prompt_ids, params, loop=asyncio.get_running_loop())
-        self._inbox.put(("add", request))
+        with self._lock:
+            if self._stopped:
+                raise EngineStopped("the engine has stopped; the server must be restarted")
+            self._inbox.put(("add", request))
         try:
             while True:
                 output = await request.outputs.get()
@@ -204,25 +229,37 @@ class AsyncEngine:
 
     # --- the engine thread ----------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._step_loop()
+        finally:  # a normal stop, or a bug that killed the thread: fail whatever is left at once
+            with self._lock:
+                self._stopped = True
+            stopped = EngineStopped("the engine stopped before this request finished")
+            for request_id, request in self._requests.items():
+                self.engine.abort(request_id)  # its blocks go back to the pool
+                self._deliver(request, stopped)
+            self._requests.clear()
+            while not self._inbox.empty():
+                if (item := self._inbox.get()) is not None and item[0] == "add":
+                    self._deliver(item[1], stopped)
+
+    def _step_loop(self) -> None:
         while True:
             # Idle: sleep until something arrives. Busy: take what has arrived, without waiting.
             if not self._drain_inbox(block=not self.engine.has_unfinished()):
                 return
-            try:
-                outputs = self.engine.step()
-            except Exception as exc:  # a failed step fails the requests it held; the server keeps going
-                for request_id in list(self.engine.sequences):
-                    self.engine.abort(request_id)
-                    self._deliver(self._requests.pop(request_id), exc)
-                continue
+            outputs = self.engine.step()
             self.metrics.preemptions.inc(self.engine.scheduler.num_preemptions - self._preemptions_seen)
             self._preemptions_seen = self.engine.scheduler.num_preemptions
             now = time.perf_counter()
             for output in outputs:
-                self._record(output, now)
                 request = self._requests[output.request_id]
                 if output.finished:
                     del self._requests[output.request_id]
+                if output.error is not None:
+                    self._deliver(request, output.error)
+                    continue
+                self._record(request, output, now)
                 self._deliver(request, output)
 
     def _drain_inbox(self, block: bool) -> bool:
@@ -251,8 +288,7 @@ class AsyncEngine:
         self._requests[request.request_id] = request
         self.metrics.prompt_tokens.inc(len(request.prompt_ids))
 
-    def _record(self, output: RequestOutput, now: float) -> None:
-        request = self._requests[output.request_id]
+    def _record(self, request: Request, output: RequestOutput, now: float) -> None:
         if output.completion_tokens == 1:
             self.metrics.ttft.observe(now - request.arrival_time)
         else:

@@ -21,9 +21,10 @@ class RequestOutput:
     request_id: str
     token_id: int
     text: str  # may be "" while a character or a possible stop string is incomplete
-    finish_reason: str | None  # None while running; then "stop" or "length"
+    finish_reason: str | None  # None while running; then "stop", "length", or "error"
     prompt_tokens: int
     completion_tokens: int  # tokens generated so far, this one included
+    error: Exception | None = None  # why the request failed, with finish_reason "error"
 
     @property
     def finished(self) -> bool:

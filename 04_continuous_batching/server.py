@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from common.errors import add_error_handlers
+from common.limits import Limits, add_limits
 from common.protocol import (
     APIError,
     ChatChoice,
@@ -42,18 +43,23 @@ from common.protocol import (
     resolve_max_tokens,
 )
 
-from .engine import AsyncEngine
+from .engine import AsyncEngine, EngineStopped
 from .sampler import SamplingParams
 from .sequence import RequestOutput
 
 # What the OpenAPI document says a generation route returns: JSON, or an SSE stream, or an error.
+# Each streamed event's data is a JSON chunk (or, after a failure, an error object), then "[DONE]".
+SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
 GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}},
+    200: {"content": {"text/event-stream": {"schema": SSE_EVENT}}},
     400: {"model": ErrorResponse, "description": "Invalid request"},
+    413: {"model": ErrorResponse, "description": "Request body too large"},
+    500: {"model": ErrorResponse, "description": "Generation failed"},
+    503: {"model": ErrorResponse, "description": "Overloaded (retry after Retry-After seconds) or engine stopped"},
 }
 
 
-def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
+def create_app(engine: AsyncEngine, model_name: str, limits: Limits | None = None) -> FastAPI:
     tokenizer = engine.engine.tokenizer
     max_model_len = engine.engine.max_model_len
     blocks = engine.engine.block_manager
@@ -66,9 +72,12 @@ def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
 
     app = FastAPI(title="Stage 04: continuous batching", lifespan=lifespan)
     add_error_handlers(app)
+    add_limits(app, limits or Limits())
 
     def sampling_params(req: SamplingRequest, prompt_ids: list[int], max_tokens: int | None) -> SamplingParams:
         """Checks that need the model (its name, its context length), then the engine's params."""
+        if not engine.alive:  # fail fast: nothing would ever answer
+            raise APIError("the engine has stopped; the server must be restarted", 503, code="engine_stopped")
         if req.model is not None and req.model != model_name:
             raise APIError(f"model {req.model!r} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")
@@ -218,7 +227,9 @@ def sse_response(
 
 
 async def collect(outputs: AsyncIterator[RequestOutput], raw: Request) -> tuple[str, RequestOutput] | None:
-    """Gather a whole completion, or None if the client disconnected first (the request is aborted)."""
+    """Gather a whole completion, or None if the client disconnected first (the request is aborted).
+
+    A failed generation becomes the error object: 503 if the engine has stopped, else 500."""
 
     async def gather() -> tuple[str, RequestOutput]:
         parts, last = [], None
@@ -242,4 +253,9 @@ async def collect(outputs: AsyncIterator[RequestOutput], raw: Request) -> tuple[
             work.cancel()  # raises inside ``outputs``, whose ``finally`` aborts the request
             with suppress(asyncio.CancelledError):
                 await work
-    return None if work.cancelled() else work.result()
+    if work.cancelled():
+        return None
+    if (error := work.exception()) is not None:
+        status = 503 if isinstance(error, EngineStopped) else 500
+        raise APIError(f"generation failed: {type(error).__name__}: {error}", status) from error
+    return work.result()

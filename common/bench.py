@@ -198,7 +198,7 @@ def stop_server(server: subprocess.Popen[bytes], timeout_s: float = 15) -> None:
 
 
 @contextmanager
-def stage_server(command: list[str], url: str) -> Iterator[None]:
+def stage_server(command: list[str], url: str) -> Iterator[subprocess.Popen[bytes]]:
     """Run ``command`` until the block ends, whatever way it ends (an error, Ctrl-C, SIGTERM)."""
     with tempfile.NamedTemporaryFile(prefix="bench-server-", suffix=".log", delete=False) as log_file:
         log = Path(log_file.name)
@@ -206,7 +206,7 @@ def stage_server(command: list[str], url: str) -> Iterator[None]:
     print(f"Started {shlex.join(command)} (pid {server.pid}, log {log})", flush=True)
     try:
         wait_healthy(url, server, log)
-        yield
+        yield server
     finally:
         stop_server(server)
     log.unlink()  # kept only when something went wrong, for the error message's reader

@@ -7,12 +7,14 @@ import importlib.util
 import os
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
+from common.limits import Limits
 from common.weights import resolve_model
 
 from .servers import LiveServer, start_fastapi, start_flask
@@ -89,10 +91,11 @@ def engine02(model_dir: Path):
     return stage("02_streaming", "engine").Engine(model_dir, device="cpu", dtype="float32")
 
 
-def serve_stage(folder: str, engine) -> Iterator[LiveServer]:
+@contextmanager
+def serve_stage(folder: str, engine, limits: Limits | None = None) -> Iterator[LiveServer]:
     """A FastAPI stage (02 on) serving ``engine`` on a free port; ``server.engine`` is its AsyncEngine."""
     async_engine = stage(folder, "engine").AsyncEngine(engine)
-    app = stage(folder, "server").create_app(async_engine, "smollm2-135m-instruct")
+    app = stage(folder, "server").create_app(async_engine, "smollm2-135m-instruct", limits)
     with start_fastapi(app) as server:
         server.engine = async_engine
         yield server
@@ -107,7 +110,8 @@ def server01(engine01) -> Iterator[LiveServer]:
 
 @pytest.fixture(scope="session")
 def server02(engine02) -> Iterator[LiveServer]:
-    yield from serve_stage("02_streaming", engine02)
+    with serve_stage("02_streaming", engine02) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")
@@ -118,7 +122,8 @@ def engine03(model_dir: Path):
 
 @pytest.fixture(scope="session")
 def server03(engine03) -> Iterator[LiveServer]:
-    yield from serve_stage("03_paged_kv", engine03)
+    with serve_stage("03_paged_kv", engine03) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")
@@ -128,4 +133,5 @@ def engine04(model_dir: Path):
 
 @pytest.fixture(scope="session")
 def server04(engine04) -> Iterator[LiveServer]:
-    yield from serve_stage("04_continuous_batching", engine04)
+    with serve_stage("04_continuous_batching", engine04) as server:
+        yield server

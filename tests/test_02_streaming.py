@@ -144,7 +144,7 @@ def test_same_seed_same_text(server02):
 def test_models_health_and_metrics(server02):
     client = server02.client()
     assert [m.id for m in client.models.list().data] == [MODEL]
-    assert httpx.get(f"{server02.url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{server02.url}/health").json() == {"status": "ok", "running": 0, "waiting": 0}
     before = server02.metric("llm_generation_tokens_total"), server02.metric("llm_time_to_first_token_seconds_count")
     client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
     after = server02.metric("llm_generation_tokens_total"), server02.metric("llm_time_to_first_token_seconds_count")

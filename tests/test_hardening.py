@@ -1,0 +1,235 @@
+"""Stages 02 to 04 under load, faults and abuse: every request is answered or refused cleanly, a
+failure stays with the request that caused it, and whatever a request held comes back.
+
+The liveness bounds below (2 s to settle, 5 s to serve again) are the issue's promises to a client,
+not speed goals: each is a deadline on a poll, far above what a healthy server needs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from common.limits import Limits
+
+from .conftest import serve_stage, stage
+from .prompts import TEXT_PROMPTS
+from .servers import LiveServer
+
+MODEL = "smollm2-135m-instruct"
+STAGES = ["02_streaming", "03_paged_kv", "04_continuous_batching"]
+POISON = "Tell me about the poisoned apple."  # the prompt the injected faults pick out
+
+
+@pytest.fixture(params=STAGES)
+def folder(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def engine(folder, request):
+    return request.getfixturevalue(f"engine{folder[:2]}")
+
+
+@pytest.fixture
+def server(folder, request) -> LiveServer:
+    return request.getfixturevalue(f"server{folder[:2]}")
+
+
+def body(prompt: str = "Count: 1, 2, 3,", max_tokens: int = 8, **extra) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **extra}
+
+
+def health(server: LiveServer) -> dict:
+    return httpx.get(f"{server.url}/health", timeout=10).json()
+
+
+def kv_used(server: LiveServer) -> int:
+    return health(server).get("kv_blocks", {}).get("used", 0)  # stage 02 has no pool: nothing to hold
+
+
+def settled(server: LiveServer, baseline_kv: int, within_s: float) -> dict:
+    """Poll /health until nothing runs or waits and the pool is back to ``baseline_kv``; the last answer."""
+    deadline = time.monotonic() + within_s
+    while True:
+        state = health(server)
+        idle = state["running"] == 0 and state["waiting"] == 0
+        if (idle and state.get("kv_blocks", {}).get("used", 0) == baseline_kv) or time.monotonic() > deadline:
+            return state
+        time.sleep(0.05)
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    """The data fields of a streamed response, [DONE] included."""
+    return [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+# --- limits ----------------------------------------------------------------------------------------
+
+
+def test_a_body_over_the_limit_is_a_413(server):
+    huge = body(prompt="x" * (Limits().max_body_bytes + 1))
+    response = httpx.post(f"{server.url}/v1/completions", json=huge, timeout=30)
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+
+    def chunked() -> Iterator[bytes]:  # no Content-Length: the server must count as the body arrives
+        yield json.dumps(huge).encode()
+
+    response = httpx.post(f"{server.url}/v1/completions", content=chunked(), timeout=30,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 413 and response.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.post(f"{server.url}/v1/completions", json=body(max_tokens=2), timeout=30).status_code == 200
+
+
+def test_past_the_request_cap_is_a_503_with_retry_after(folder, engine):
+    with serve_stage(folder, engine, Limits(max_requests=2)) as server, httpx.Client(timeout=60) as client:
+        url = f"{server.url}/v1/completions"
+        with client.stream("POST", url, json=body(max_tokens=1000, stream=True)) as first, \
+                client.stream("POST", url, json=body(max_tokens=1000, stream=True)) as second:
+            assert first.status_code == second.status_code == 200
+            refused = httpx.post(url, json=body(), timeout=10)
+            assert refused.status_code == 503
+            assert refused.headers["retry-after"] == "1"
+            assert refused.json()["error"]["code"] == "server_overloaded"
+            assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200  # only generation is capped
+        assert settled(server, 0, within_s=5)["running"] == 0
+        assert client.post(url, json=body(max_tokens=2)).json()["usage"]["completion_tokens"] == 2
+
+
+# --- fault isolation ---------------------------------------------------------------------------------
+
+
+def inject_fault(monkeypatch, folder: str, engine, error: BaseException, only_poison: bool = True) -> None:
+    """Make the engine raise ``error`` while it works on the poisoned prompt (or on any prompt)."""
+    poison_ids = engine.encode(POISON)
+    if folder == "04_continuous_batching":  # the per-sequence work after the batched forward pass
+        append = engine._append
+
+        def faulty_append(seq, token_id):
+            if not only_poison or seq.prompt_ids == poison_ids:
+                raise error
+            return append(seq, token_id)
+
+        def broken_step():
+            raise error
+
+        # A fault in one request's own work; or, for any prompt, in the step itself (outside any request).
+        monkeypatch.setattr(engine, "_append", faulty_append)
+        if not only_poison:
+            monkeypatch.setattr(engine, "step", broken_step)
+    else:
+        generate = engine.generate
+
+        def faulty_generate(request_id, prompt_ids, params):
+            if not only_poison or prompt_ids == poison_ids:
+                raise error
+            return generate(request_id, prompt_ids, params)
+
+        monkeypatch.setattr(engine, "generate", faulty_generate)
+
+
+def test_a_failing_request_fails_alone(monkeypatch, folder, engine, server):
+    inject_fault(monkeypatch, folder, engine, RuntimeError("injected fault"))
+    url = f"{server.url}/v1/completions"
+
+    def poisoned_stream() -> list[str]:
+        with httpx.stream("POST", url, json=body(POISON, stream=True), timeout=60) as response:
+            assert response.status_code == 200
+            return sse_events(response)
+
+    with ThreadPoolExecutor(4) as pool:
+        healthy = [pool.submit(httpx.post, url, json=body(p, max_tokens=12), timeout=60) for p in TEXT_PROMPTS[:2]]
+        whole = pool.submit(httpx.post, url, json=body(POISON), timeout=60)
+        streamed = pool.submit(poisoned_stream)
+        assert whole.result().status_code == 500
+        assert whole.result().json()["error"]["message"] == "generation failed: RuntimeError: injected fault"
+        events = streamed.result()
+        assert events[-1] == "[DONE]" and "injected fault" in json.loads(events[-2])["error"]["message"]
+        assert [f.result().json()["usage"]["completion_tokens"] for f in healthy] == [12, 12]
+    state = settled(server, 0, within_s=5)
+    assert (state["running"], state["waiting"], kv_used(server)) == (0, 0, 0)
+
+
+class Fatal(BaseException):
+    """Not an Exception: nothing on the engine thread catches it, so the thread dies."""
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_engine_thread_turns_health_503_and_requests_fail_fast(monkeypatch, folder, engine):
+    with serve_stage(folder, engine) as server:
+        inject_fault(monkeypatch, folder, engine, Fatal(), only_poison=False)
+        url = f"{server.url}/v1/completions"
+        in_flight = httpx.post(url, json=body(), timeout=30)  # the request that was running when it died
+        assert in_flight.status_code == 503 and "EngineStopped" in in_flight.json()["error"]["message"]
+        deadline = time.monotonic() + 2  # the thread fails its requests first, then exits
+        while httpx.get(f"{server.url}/health", timeout=10).status_code != 503:
+            assert time.monotonic() < deadline, "/health still says ok after the engine thread died"
+            time.sleep(0.02)
+        start = time.monotonic()
+        after = httpx.post(url, json=body(), timeout=30)
+        assert after.status_code == 503 and after.json()["error"]["code"] == "engine_stopped"
+        assert time.monotonic() - start < 5
+    if folder != "02_streaming":
+        assert engine.block_manager.num_used == 0  # the dying thread returned every block
+
+
+# --- load, cancellation, exhaustion --------------------------------------------------------------------
+
+
+def test_a_cancellation_storm_leaves_nothing_behind(server):
+    """200 streams of 1000 tokens, each client gone 0.5 s after its answer started: all of it is
+    freed, and the server answers the next request at once."""
+    baseline = kv_used(server)
+
+    async def storm() -> list[int]:
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=server.url, timeout=60, limits=limits) as client:
+
+            async def one(i: int) -> int:
+                payload = body(TEXT_PROMPTS[i % 4], max_tokens=1000, stream=True)
+                async with client.stream("POST", "/v1/completions", json=payload) as response:
+                    await asyncio.sleep(0.5)
+                    return response.status_code  # leaving the block closes the connection mid-stream
+
+            return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(200))), timeout=120)
+
+    assert asyncio.run(storm()) == [200] * 200
+    state = settled(server, baseline, within_s=2)
+    assert (state["running"], state["waiting"], kv_used(server)) == (0, 0, baseline)
+    response = httpx.post(f"{server.url}/v1/completions", json=body(max_tokens=4), timeout=5)
+    assert response.json()["usage"]["completion_tokens"] == 4
+
+
+def test_256_streaming_clients_all_complete_and_memory_stays_bounded():
+    """Stage 04 in its own process, as a user runs it; the soak tool checks every stream's tokens."""
+    from common.bench import free_port, stage_server
+    from common.soak import soak
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with stage_server([sys.executable, "-m", "04_continuous_batching", "--port", str(port)], url) as process:
+        result = asyncio.run(soak(url, MODEL, clients=256, rounds=1, max_tokens=8, pid=process.pid))
+    print(result.summary())
+    assert result.failures == [] and result.requests == 256 and result.output_tokens == 256 * 8
+    assert result.peak_rss_mib < result.rss_mib[0] + 1024  # holding 256 requests costs well under 1 GiB
+
+
+def test_64_long_requests_on_a_pool_that_fits_8_all_complete_exactly(model_dir, engine04):
+    """3 blocks per request, 24 blocks in the pool: requests queue, are preempted and recomputed, and
+    each still gets the tokens it gets with room to spare (which other tests tie to Hugging Face)."""
+    engine_module, sampler = stage("04_continuous_batching", "engine"), stage("04_continuous_batching", "sampler")
+    small = engine_module.Engine(model_dir, device="cpu", dtype="float32", kv_cache_mb=17)
+    assert small.block_manager.num_blocks == 24
+    prompts = [small.encode(f"Fact {i}: {TEXT_PROMPTS[i % 4]}") for i in range(64)]
+    assert all(len(p) + 24 <= 48 for p in prompts)
+    params = sampler.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    squeezed = small.generate(prompts, params)
+    assert small.scheduler.num_preemptions > 0 and small.block_manager.num_used == 0
+    roomy = [out for group in range(0, 64, 16) for out in engine04.generate(prompts[group:group + 16], params)]
+    assert squeezed == roomy
