@@ -75,7 +75,7 @@ def create_app(engine: AsyncEngine, model_name: str, limits: Limits | None = Non
     add_limits(app, limits or Limits())
 
     def sampling_params(req: SamplingRequest, prompt_ids: list[int], max_tokens: int | None) -> SamplingParams:
-        """Checks that need the model (its name, its context length), then the engine's params."""
+        """Checks that need the engine (running, its model's name and context length), then its params."""
         if not engine.alive:  # fail fast: nothing would ever answer
             raise APIError("the engine has stopped; the server must be restarted", 503, code="engine_stopped")
         if req.model is not None and req.model != model_name:

@@ -12,10 +12,10 @@ count is exact: it drops when the response ends, whether it finished, failed or 
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
 
 from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -62,7 +62,7 @@ class RequestLimit:
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limits.max_body_bytes:
-            await self._refuse(send, self._too_large())
+            await self._refuse(scope, receive, send, self._too_large())
             return
         if scope["path"] not in GENERATION_PATHS:
             await self.app(scope, self._counted(receive), send)
@@ -70,7 +70,7 @@ class RequestLimit:
         if self.in_flight >= self.limits.max_requests:
             error = APIError(f"the server holds {self.in_flight} requests, its limit; retry in "
                              f"{self.limits.retry_after_s} s", 503, code="server_overloaded")
-            await self._refuse(send, error, {"retry-after": str(self.limits.retry_after_s)})
+            await self._refuse(scope, receive, send, error, {"Retry-After": str(self.limits.retry_after_s)})
             return
         self.in_flight += 1
         try:
@@ -99,11 +99,7 @@ class RequestLimit:
                         code="request_too_large")
 
     @staticmethod
-    async def _refuse(send: Send, error: APIError, headers: dict[str, str] | None = None) -> None:
-        body = json.dumps(error.body()).encode()
-        raw_headers: list[tuple[bytes, bytes]] = [(b"content-type", b"application/json"),
-                                                  (b"content-length", str(len(body)).encode())]
-        raw_headers += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
-        await send({"type": "http.response.start", "status": error.status_code, "headers": raw_headers})
-        await send({"type": "http.response.body", "body": body})
-
+    async def _refuse(scope: Scope, receive: Receive, send: Send, error: APIError,
+                      headers: dict[str, str] | None = None) -> None:
+        response = JSONResponse(error.body(), status_code=error.status_code, headers=headers)
+        await response(scope, receive, send)

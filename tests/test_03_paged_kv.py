@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -107,23 +106,6 @@ def test_a_request_that_can_never_fit_is_a_400(server03, engine03):
     # The server is unharmed, and a request without max_tokens is capped by the pool, not refused.
     client = server03.client()
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=3).usage.completion_tokens == 3
-
-
-def test_blocks_come_back_after_a_disconnect(server03):
-    client = server03.client()
-    stream = client.completions.create(model=MODEL, prompt="Count forever:", max_tokens=1000, stream=True,
-                                       extra_body={"ignore_eos": True})
-    chunks = iter(stream)
-    for _ in range(20):
-        next(chunks)
-    assert server03.metric("llm_kv_blocks_used") > 0
-    stream.close()
-    deadline = time.monotonic() + 2.0
-    while server03.metric("llm_kv_blocks_used") != 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server03.metric("llm_kv_blocks_used") == 0
-    assert server03.metric("llm_requests_running") == 0
-    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
 
 
 def test_http_greedy_equals_hf(server03, engine03, hf_greedy):

@@ -105,29 +105,23 @@ def test_past_the_request_cap_is_a_503_with_retry_after(folder, engine):
 # --- fault isolation ---------------------------------------------------------------------------------
 
 
-def inject_fault(monkeypatch, folder: str, engine, error: BaseException, only_poison: bool = True) -> None:
-    """Make the engine raise ``error`` while it works on the poisoned prompt (or on any prompt)."""
+def inject_fault(monkeypatch, folder: str, engine, error: Exception) -> None:
+    """Make the engine raise ``error`` in its work on the poisoned prompt, and only there."""
     poison_ids = engine.encode(POISON)
     if folder == "04_continuous_batching":  # the per-sequence work after the batched forward pass
         append = engine._append
 
         def faulty_append(seq, token_id):
-            if not only_poison or seq.prompt_ids == poison_ids:
+            if seq.prompt_ids == poison_ids:
                 raise error
             return append(seq, token_id)
 
-        def broken_step():
-            raise error
-
-        # A fault in one request's own work; or, for any prompt, in the step itself (outside any request).
         monkeypatch.setattr(engine, "_append", faulty_append)
-        if not only_poison:
-            monkeypatch.setattr(engine, "step", broken_step)
     else:
         generate = engine.generate
 
         def faulty_generate(request_id, prompt_ids, params):
-            if not only_poison or prompt_ids == poison_ids:
+            if prompt_ids == poison_ids:
                 raise error
             return generate(request_id, prompt_ids, params)
 
@@ -162,8 +156,12 @@ class Fatal(BaseException):
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_dead_engine_thread_turns_health_503_and_requests_fail_fast(monkeypatch, folder, engine):
+    def fatal(*args, **kwargs):
+        raise Fatal
+
     with serve_stage(folder, engine) as server:
-        inject_fault(monkeypatch, folder, engine, Fatal(), only_poison=False)
+        # What the engine thread calls for any request: a step (04), or a whole generation (02, 03).
+        monkeypatch.setattr(engine, "step" if folder == "04_continuous_batching" else "generate", fatal)
         url = f"{server.url}/v1/completions"
         in_flight = httpx.post(url, json=body(), timeout=30)  # the request that was running when it died
         assert in_flight.status_code == 503 and "EngineStopped" in in_flight.json()["error"]["message"]
@@ -180,6 +178,21 @@ def test_a_dead_engine_thread_turns_health_503_and_requests_fail_fast(monkeypatc
 
 
 # --- load, cancellation, exhaustion --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("folder", STAGES[1:])  # the stages with a KV pool
+def test_a_disconnected_stream_returns_its_blocks_and_the_server_goes_on(server):
+    client = server.client()
+    stream = client.completions.create(model=MODEL, prompt="Count forever:", max_tokens=1000, stream=True,
+                                       extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    for _ in range(20):
+        next(chunks)
+    assert server.metric("llm_kv_blocks_used") > 0
+    stream.close()
+    state = settled(server, 0, within_s=2)
+    assert (state["running"], kv_used(server), server.metric("llm_requests_running")) == (0, 0, 0)
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
 
 
 def test_a_cancellation_storm_leaves_nothing_behind(server):
