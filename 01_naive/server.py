@@ -27,12 +27,25 @@ from common.protocol import (
 from .engine import Engine, GenerationResult
 from .sampler import SamplingParams
 
+# OpenAI fields that stage 01 does not implement (stage 02 does). A client that asks for one gets a 400
+# naming it: silently ignoring it would hand back an answer computed differently from what was asked.
+NOT_IN_STAGE_01 = ("logprobs", "echo", "presence_penalty", "frequency_penalty", "logit_bias")
+
+
+def refuse_unsupported(req: CompletionRequest) -> None:
+    for name in NOT_IN_STAGE_01:
+        value, default = getattr(req, name), CompletionRequest.model_fields[name].default
+        if value != default and value != {}:
+            raise APIError(f"{name}: not supported by stage 01; stage 02 adds it", param=name,
+                           code="unsupported_parameter")
+
 
 def create_app(engine: Engine, model_name: str) -> Flask:
     app = Flask(__name__)
 
     def run(req: CompletionRequest) -> GenerationResult:
         """Validate what needs the model (name, prompt length), then generate."""
+        refuse_unsupported(req)
         if req.model is not None and req.model != model_name:
             raise APIError(f"model {req.model!r} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")

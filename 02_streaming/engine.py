@@ -21,7 +21,7 @@ from transformers.cache_utils import Cache
 
 from .detokenizer import IncrementalDetokenizer
 from .metrics import Metrics
-from .sampler import SamplingParams, make_generator, sample
+from .sampler import SamplingParams, compute_logprobs, make_generator, sample
 from .sequence import Request, RequestOutput
 
 
@@ -71,10 +71,14 @@ class Engine:
 
     # --- the two phases -------------------------------------------------------------------
     def prefill(self, prompt_ids: list[int]) -> tuple[torch.Tensor, Cache]:
-        """Run the whole prompt at once; return the last position's logits and the filled cache."""
+        """Run the whole prompt at once; return every position's logits and the filled cache.
+
+        Hugging Face computes logits for all T positions: the last predicts the first new token, the
+        others are what prompt logprobs (``echo``) score.
+        """
         input_ids = torch.tensor([prompt_ids], device=self.device)  # [1, T]
         out = self.model(input_ids=input_ids, use_cache=True)
-        return out.logits[0, -1], out.past_key_values  # logits: [V]
+        return out.logits[0], out.past_key_values  # logits: [T, V]
 
     def decode_one_token(self, token_id: int, cache: Cache) -> tuple[torch.Tensor, Cache]:
         """Run one new token against the cache; the cache grows by one position per layer."""
@@ -94,9 +98,17 @@ class Engine:
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
         output_ids: list[int] = []
 
-        logits, cache = self.prefill(prompt_ids)
+        all_logits, cache = self.prefill(prompt_ids)
+        logits = all_logits[-1]  # [V]: predicts the first new token
+        prompt_logprobs = None  # paid for only when asked: scoring T positions costs T log-softmaxes
+        if params.prompt_logprobs is not None:
+            prompt_logprobs = compute_logprobs(all_logits[:-1], prompt_ids[1:], params.prompt_logprobs)
+        if params.max_tokens == 0:  # only the prompt was to be scored (echo)
+            yield RequestOutput(request_id, [], "", "length", len(prompt_ids), 0, [], prompt_logprobs)
+            return
         while True:
-            token_id = sample(logits, params, generator)
+            token_id = sample(logits, params, generator, output_ids)
+            logprobs = None if params.logprobs is None else compute_logprobs(logits[None], [token_id], params.logprobs)
             output_ids.append(token_id)
             finish_reason = None
             if token_id in self.eos_token_ids and not params.ignore_eos:
@@ -107,9 +119,11 @@ class Engine:
                     finish_reason = "stop"
                 elif len(output_ids) == params.max_tokens:
                     text, finish_reason = text + detokenizer.flush(), "length"
-            yield RequestOutput(request_id, token_id, text, finish_reason, len(prompt_ids), len(output_ids))
+            yield RequestOutput(request_id, [token_id], text, finish_reason, len(prompt_ids), len(output_ids),
+                                logprobs, prompt_logprobs)
             if finish_reason is not None:
                 return
+            prompt_logprobs = None  # the first output carries them
             logits, cache = self.decode_one_token(token_id, cache)
 
 

@@ -27,7 +27,7 @@ from .detokenizer import IncrementalDetokenizer
 from .kv_cache import KVCache, budget_bytes
 from .metrics import Metrics
 from .model import LlamaForCausalLM
-from .sampler import SamplingParams, make_generator, sample
+from .sampler import SamplingParams, compute_logprobs, make_generator, sample
 from .sequence import Request, RequestOutput
 
 
@@ -82,7 +82,7 @@ class Engine:
         return torch.tensor(values, dtype=dtype, device=self.device)
 
     def _forward(self, token_ids: list[int], start: int, block_table: list[int], is_prefill: bool) -> torch.Tensor:
-        """Run ``token_ids`` at positions ``start...`` of one sequence; return the last position's logits."""
+        """Run ``token_ids`` at positions ``start...`` of one sequence; return their hidden states."""
         end = start + len(token_ids)
         self.block_manager.grow(block_table, end)  # a new block only when the last one is full
         meta = AttentionMetadata(
@@ -95,16 +95,24 @@ class Engine:
         )
         input_ids = self._tensor(token_ids, torch.int64)  # [T]
         positions = torch.arange(start, end, device=self.device)  # [T]
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
-        return self.model.compute_logits(hidden[-1:])[0]  # logits: [V]
+        return self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
 
-    def prefill(self, prompt_ids: list[int], block_table: list[int]) -> torch.Tensor:
-        """Run the whole prompt at once, writing its K/V into the sequence's blocks; last logits: [V]."""
-        return self._forward(prompt_ids, 0, block_table, is_prefill=True)
+    def prefill(self, prompt_ids: list[int], block_table: list[int],
+                score_prompt: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the whole prompt at once, writing its K/V into the sequence's blocks.
+
+        Returns the last position's logits, [V], which predict the first new token. Only with
+        ``score_prompt`` (prompt logprobs) do the other T - 1 rows go through the output projection
+        too, [T - 1, V]: separately, so that the last row's logits are the same either way.
+        """
+        hidden = self._forward(prompt_ids, 0, block_table, is_prefill=True)  # [T, hidden]
+        prompt_logits = self.model.compute_logits(hidden[:-1]) if score_prompt else None
+        return self.model.compute_logits(hidden[-1:])[0], prompt_logits
 
     def decode_one_token(self, token_id: int, position: int, block_table: list[int]) -> torch.Tensor:
         """Run one new token at ``position``, reading the cache through the block table; logits: [V]."""
-        return self._forward([token_id], position, block_table, is_prefill=False)
+        hidden = self._forward([token_id], position, block_table, is_prefill=False)  # [1, hidden]
+        return self.model.compute_logits(hidden)[0]
 
     # --- the generation loop --------------------------------------------------------------
     @torch.inference_mode()
@@ -119,9 +127,18 @@ class Engine:
         output_ids: list[int] = []
         block_table: list[int] = []
         try:
-            logits = self.prefill(prompt_ids, block_table)
+            logits, prompt_logits = self.prefill(prompt_ids, block_table, params.prompt_logprobs is not None)
+            prompt_logprobs = None  # paid for only when asked (echo): T - 1 more rows of logits
+            if prompt_logits is not None:
+                prompt_logprobs = compute_logprobs(prompt_logits, prompt_ids[1:], params.prompt_logprobs)
+            if params.max_tokens == 0:  # only the prompt was to be scored (echo)
+                yield RequestOutput(request_id, [], "", "length", len(prompt_ids), 0, [], prompt_logprobs)
+                return
             while True:
-                token_id = sample(logits, params, generator)
+                token_id = sample(logits, params, generator, output_ids)
+                logprobs = None
+                if params.logprobs is not None:
+                    logprobs = compute_logprobs(logits[None], [token_id], params.logprobs)
                 output_ids.append(token_id)
                 finish_reason = None
                 if token_id in self.eos_token_ids and not params.ignore_eos:
@@ -132,9 +149,11 @@ class Engine:
                         finish_reason = "stop"
                     elif len(output_ids) == params.max_tokens:
                         text, finish_reason = text + detokenizer.flush(), "length"
-                yield RequestOutput(request_id, token_id, text, finish_reason, len(prompt_ids), len(output_ids))
+                yield RequestOutput(request_id, [token_id], text, finish_reason, len(prompt_ids), len(output_ids),
+                                    logprobs, prompt_logprobs)
                 if finish_reason is not None:
                     return
+                prompt_logprobs = None  # the first output carries them
                 position = len(prompt_ids) + len(output_ids) - 1  # the sampled token's own position
                 logits = self.decode_one_token(token_id, position, block_table)
         finally:

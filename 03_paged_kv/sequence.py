@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .sampler import SamplingParams
+from .sampler import SamplingParams, TokenLogprobs
 
 
 @dataclass
@@ -15,11 +15,14 @@ class RequestOutput:
     """One step's news for the client: the sampled token, the text it made safe to send."""
 
     request_id: str
-    token_id: int
+    token_ids: list[int]  # the tokens this step added: one (none for a prompt scored with max_tokens 0)
     text: str  # may be "" while a character or a possible stop string is incomplete
     finish_reason: str | None  # None while running; then "stop" or "length"
     prompt_tokens: int
     completion_tokens: int  # tokens generated so far, this one included
+    logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids, if the request asked
+    # In the first output only, if the request asked: prompt tokens 1... (the first has no logprob).
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:

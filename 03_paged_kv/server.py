@@ -20,6 +20,7 @@ from pydantic import BaseModel
 
 from common.errors import add_error_handlers
 from common.limits import Limits, add_limits
+from common.logprobs import AnswerWriter, Echo
 from common.protocol import (
     APIError,
     ChatChoice,
@@ -43,6 +44,7 @@ from common.protocol import (
     resolve_max_tokens,
 )
 
+from .detokenizer import IncrementalDetokenizer
 from .engine import AsyncEngine, EngineStopped
 from .sampler import SamplingParams
 from .sequence import RequestOutput
@@ -74,13 +76,15 @@ def create_app(engine: AsyncEngine, model_name: str, limits: Limits | None = Non
     add_error_handlers(app)
     add_limits(app, limits or Limits())
 
-    def sampling_params(req: SamplingRequest, prompt_ids: list[int], max_tokens: int | None) -> SamplingParams:
+    def sampling_params(req: SamplingRequest, prompt_ids: list[int], max_tokens: int | None,
+                        logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
         """Checks that need the engine (running, its model's name and context length), then its params."""
         if not engine.alive:  # fail fast: nothing would ever answer
             raise APIError("the engine has stopped; the server must be restarted", 503, code="engine_stopped")
         if req.model is not None and req.model != model_name:
             raise APIError(f"model {req.model!r} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")
+        check_token_ids(list(req.token_bias), len(tokenizer), param="logit_bias")
         return SamplingParams(
             max_tokens=fit_in_pool(len(prompt_ids), max_tokens),
             temperature=req.temperature,
@@ -89,6 +93,11 @@ def create_app(engine: AsyncEngine, model_name: str, limits: Limits | None = Non
             seed=req.seed,
             stop=req.stop,
             ignore_eos=req.ignore_eos,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            logit_bias=req.token_bias,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def fit_in_pool(prompt_tokens: int, requested: int | None) -> int:
@@ -111,6 +120,16 @@ def create_app(engine: AsyncEngine, model_name: str, limits: Limits | None = Non
             code="kv_cache_too_small",
         )
 
+    def decode(token_id: int) -> str:
+        return tokenizer.decode([token_id])
+
+    def echo_of(prompt_ids: list[int]) -> Echo:
+        """The prompt for ``echo``: each token's text as the detokenizer releases it, so they join exactly."""
+        detokenizer = IncrementalDetokenizer(tokenizer, stop=[])
+        texts = [detokenizer.add(token_id) for token_id in prompt_ids]
+        texts[-1] += detokenizer.flush()
+        return Echo(prompt_ids, texts)
+
     @app.post("/v1/completions", response_model=CompletionResponse, responses=GENERATION_RESPONSES)
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         if isinstance(req.prompt, str):
@@ -118,44 +137,57 @@ def create_app(engine: AsyncEngine, model_name: str, limits: Limits | None = Non
         else:
             check_token_ids(req.prompt, len(tokenizer))
             prompt_ids = req.prompt
-        params = sampling_params(req, prompt_ids, req.max_tokens)
+        # Prompt logprobs cost a log-softmax per prompt position: computed only for echo + logprobs.
+        prompt_logprobs = req.logprobs if req.echo else None
+        params = sampling_params(req, prompt_ids, req.max_tokens, req.logprobs, prompt_logprobs)
+        writer = AnswerWriter(decode, req.logprobs is not None, echo_of(prompt_ids) if req.echo else None)
         outputs = engine.generate(prompt_ids, params)
         rid, created = new_id("cmpl"), now()
 
-        def chunk(text: str | None, finish_reason: str | None, usage: Usage | None = None) -> CompletionResponse:
-            choices = [CompletionChoice(text=text, finish_reason=finish_reason)] if text is not None else []
+        def chunk(step: list[RequestOutput] | None, usage: Usage | None = None) -> CompletionResponse:
+            """A chunk (or the whole answer) with the text and logprobs of ``step``; None: the usage chunk."""
+            choices = []
+            if step is not None:
+                text, logprobs = writer.completion(step)
+                choices = [CompletionChoice(text=text, logprobs=logprobs, finish_reason=step[-1].finish_reason)]
             return CompletionResponse(id=rid, created=created, model=model_name, choices=choices, usage=usage)
 
         if req.stream:
             return sse_response(outputs, [], chunk, req.include_usage)
-        if (result := await collect(outputs, raw)) is None:
+        if (everything := await collect(outputs, raw)) is None:
             return client_gone()
-        text, last = result
-        return JSONResponse(chunk(text, last.finish_reason, usage_of(last)).model_dump())
+        return JSONResponse(chunk(everything, usage_of(everything[-1])).model_dump())
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=GENERATION_RESPONSES)
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         prompt_ids = engine.engine.encode_chat([{"role": m.role, "content": m.text()} for m in req.messages])
-        params = sampling_params(req, prompt_ids, req.output_limit)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = sampling_params(req, prompt_ids, req.output_limit, logprobs)
+        writer = AnswerWriter(decode, req.logprobs)
         outputs = engine.generate(prompt_ids, params)
         rid, created = new_id("chatcmpl"), now()
 
-        def chunk(text: str | None, finish_reason: str | None, usage: Usage | None = None,
-                  role: str | None = None) -> ChatCompletionChunk:
-            delta = ChatDelta(role=role, content=text)
-            choices = [ChatChunkChoice(delta=delta, finish_reason=finish_reason)] if text is not None else []
+        def chunk(step: list[RequestOutput] | None, usage: Usage | None = None) -> ChatCompletionChunk:
+            choices = []
+            if step is not None:
+                text, logprobs = writer.chat(step)
+                choices = [ChatChunkChoice(delta=ChatDelta(content=text), logprobs=logprobs,
+                                           finish_reason=step[-1].finish_reason)]
             return ChatCompletionChunk(id=rid, created=created, model=model_name, choices=choices, usage=usage)
 
         if req.stream:
             # The first chunk names the role, as OpenAI's does; content follows.
-            return sse_response(outputs, [chunk("", None, role="assistant")], chunk, req.include_usage)
-        if (result := await collect(outputs, raw)) is None:
+            opening = ChatCompletionChunk(id=rid, created=created, model=model_name,
+                                          choices=[ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
+            return sse_response(outputs, [opening], chunk, req.include_usage)
+        if (everything := await collect(outputs, raw)) is None:
             return client_gone()
-        text, last = result
+        text, logprobs = writer.chat(everything)
         response = ChatCompletionResponse(
             id=rid, created=created, model=model_name,
-            choices=[ChatChoice(message=ChatMessageOut(content=text), finish_reason=last.finish_reason)],
-            usage=usage_of(last),
+            choices=[ChatChoice(message=ChatMessageOut(content=text), logprobs=logprobs,
+                                finish_reason=everything[-1].finish_reason)],
+            usage=usage_of(everything[-1]),
         )
         return JSONResponse(response.model_dump())
 
@@ -202,19 +234,30 @@ def sse_response(
     chunk: Callable[..., BaseModel],
     include_usage: bool,
 ) -> StreamingResponse:
+    """Stream ``first``, then a chunk per group of outputs that has text to send, then usage if asked.
+
+    ``chunk(step)`` builds the endpoint's chunk for a list of outputs (their text and logprobs);
+    ``chunk(None, usage=...)`` builds the closing usage chunk, with no choices.
+    """
+
     async def events() -> AsyncIterator[str]:
         # If the client disconnects, Starlette cancels this generator; closing ``outputs`` then
         # aborts the request on the engine thread (see AsyncEngine.generate).
         try:
             for item in first:
                 yield sse_event(item)
+            step: list[RequestOutput] = []
             last = None
             async for output in outputs:
+                step.append(output)
                 last = output
-                if output.text or output.finished:  # "" means held back: nothing new to say yet
-                    yield sse_event(chunk(output.text, output.finish_reason))
+                # "" means held back: nothing new to say yet, so the output waits for the next chunk
+                # (its logprobs travel with the text it finally released).
+                if output.text or output.finished:
+                    yield sse_event(chunk(step))
+                    step = []
             if include_usage and last is not None:
-                yield sse_event(chunk(None, None, usage=usage_of(last)))  # choices: [], usage: {...}
+                yield sse_event(chunk(None, usage=usage_of(last)))  # choices: [], usage: {...}
         except Exception as exc:  # the headers are sent: report the error inside the stream
             yield sse_event(APIError(f"generation failed: {type(exc).__name__}: {exc}", 500).body())
         finally:
@@ -224,18 +267,15 @@ def sse_response(
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-async def collect(outputs: AsyncIterator[RequestOutput], raw: Request) -> tuple[str, RequestOutput] | None:
-    """Gather a whole completion, or None if the client disconnected first (the request is aborted).
+async def collect(outputs: AsyncIterator[RequestOutput], raw: Request) -> list[RequestOutput] | None:
+    """Gather every output of a request, or None if the client disconnected first (the request is aborted).
 
     A failed generation becomes the error object: 503 if the engine has stopped, else 500."""
 
-    async def gather() -> tuple[str, RequestOutput]:
-        parts, last = [], None
-        async for output in outputs:
-            parts.append(output.text)
-            last = output
-        assert last is not None and last.finished
-        return "".join(parts), last
+    async def gather() -> list[RequestOutput]:
+        everything = [output async for output in outputs]
+        assert everything and everything[-1].finished
+        return everything
 
     async def disconnected() -> None:
         # The body has been read, so the next ASGI message is the client going away.

@@ -27,7 +27,7 @@ def demo(engine: Engine, max_tokens: int) -> None:
         step_outputs = engine.step()
         step += 1
         for output in step_outputs:
-            outputs[output.request_id].append(output.token_id)
+            outputs[output.request_id].extend(output.token_ids)
         if step <= 3 or any(output.finished for output in step_outputs):
             kind = "prefill" if any(output.completion_tokens == 1 for output in step_outputs) else "decode "
             done = [output.request_id for output in step_outputs if output.finished]

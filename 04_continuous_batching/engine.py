@@ -28,7 +28,7 @@ from .kv_cache import KVCache, budget_bytes
 from .metrics import Metrics
 from .model import LlamaForCausalLM
 from .model_runner import ModelRunner
-from .sampler import SamplingParams, make_generator, sample
+from .sampler import SamplingParams, TokenLogprobs, compute_logprobs, make_generator, sample
 from .scheduler import Scheduler
 from .sequence import Request, RequestOutput, Sequence
 
@@ -115,20 +115,32 @@ class Engine:
         if not batch.seqs:
             return []
         try:
-            logits = self.runner.run(batch)  # [B, V]
-            token_ids = sample(logits, [seq.params for seq in batch.seqs], [seq.generator for seq in batch.seqs])
+            logits, prompt_logits = self.runner.run(batch)  # [B, V], and [n - 1, V] for prompts to score
+            params = [seq.params for seq in batch.seqs]
+            token_ids = sample(logits, params, [seq.generator for seq in batch.seqs],
+                               [seq.output_ids for seq in batch.seqs])
+            logprobs = compute_logprobs(logits, token_ids, [p.logprobs for p in params])  # None for rows not asking
         except Exception as exc:  # one pass for the whole batch: all of it fails (their caches are half written)
             return [self._fail(seq, exc) for seq in batch.seqs]
         outputs = []
-        for seq, token_id in zip(batch.seqs, token_ids, strict=True):
+        for seq, token_id, token_logprobs in zip(batch.seqs, token_ids, logprobs, strict=True):
             try:
-                outputs.append(self._append(seq, token_id))
+                prompt_logprobs = None
+                if seq.request_id in prompt_logits:
+                    n = len(seq.prompt_ids)
+                    prompt_logprobs = compute_logprobs(prompt_logits[seq.request_id], seq.prompt_ids[1:],
+                                                       [seq.params.prompt_logprobs] * (n - 1))
+                outputs.append(self._append(seq, token_id, token_logprobs, prompt_logprobs))
             except Exception as exc:  # this sequence's own work (its text, its stop strings): only it fails
                 outputs.append(self._fail(seq, exc))
         return outputs
 
-    def _append(self, seq: Sequence, token_id: int) -> RequestOutput:
+    def _append(self, seq: Sequence, token_id: int, logprobs: TokenLogprobs | None,
+                prompt_logprobs: list[TokenLogprobs] | None) -> RequestOutput:
         """Add a sampled token to its sequence, decide whether the sequence is done, and free it if so."""
+        if seq.params.max_tokens == 0:  # only the prompt was to be scored (echo): the token is not used
+            self.abort(seq.request_id)
+            return RequestOutput(seq.request_id, [], "", "length", len(seq.prompt_ids), 0, [], prompt_logprobs)
         seq.output_ids.append(token_id)
         finish_reason = None
         if token_id in self.eos_token_ids and not seq.params.ignore_eos:
@@ -141,13 +153,13 @@ class Engine:
                 text, finish_reason = text + seq.detokenizer.flush(), "length"
         if finish_reason is not None:
             self.abort(seq.request_id)  # leaves the batch and frees its blocks at once
-        return RequestOutput(seq.request_id, token_id, text, finish_reason, len(seq.prompt_ids),
-                             len(seq.output_ids))
+        return RequestOutput(seq.request_id, [token_id], text, finish_reason, len(seq.prompt_ids),
+                             len(seq.output_ids), None if logprobs is None else [logprobs], prompt_logprobs)
 
     def _fail(self, seq: Sequence, error: Exception) -> RequestOutput:
         """End a sequence with an error: it leaves the batch, its blocks return, its client is told."""
         self.abort(seq.request_id)
-        return RequestOutput(seq.request_id, -1, "", "error", len(seq.prompt_ids), len(seq.output_ids), error)
+        return RequestOutput(seq.request_id, [], "", "error", len(seq.prompt_ids), len(seq.output_ids), error=error)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Offline use (the demo, the tests): run every prompt to the end, all batched; their output ids."""
@@ -160,7 +172,7 @@ class Engine:
             for output in self.step():
                 if output.error is not None:
                     raise output.error
-                outputs[output.request_id].append(output.token_id)
+                outputs[output.request_id].extend(output.token_ids)
         return list(outputs.values())
 
 

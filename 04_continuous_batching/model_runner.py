@@ -74,10 +74,22 @@ class ModelRunner:
         return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta
 
     @torch.inference_mode()
-    def run(self, batch: Batch) -> torch.Tensor:
-        """One forward pass for the whole batch; the logits of each sequence's last token: [B, V]."""
+    def run(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One forward pass for the whole batch.
+
+        Returns the logits of each sequence's last token, [B, V], and for the sequences whose prompt
+        logprobs were asked for, the logits of their other prompt positions, [n - 1, V] by request id.
+        Only those rows go through the output projection: nobody else pays for prompt logprobs.
+        """
         prepare = self.prepare_prefill if batch.is_prefill else self.prepare_decode
         input_ids, positions, meta = prepare(batch.seqs)
         hidden = self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
         last = meta.cu_seqlens[1:].long() - 1  # each sequence's last token in the step: [B]
-        return self.model.compute_logits(hidden[last])  # [B, V] float32
+        logits = self.model.compute_logits(hidden[last])  # [B, V] float32
+        prompt_logits = {}
+        if batch.is_prefill:
+            for seq, start in zip(batch.seqs, meta.cu_seqlens[:-1].tolist(), strict=True):
+                if seq.needs_prompt_logprobs:
+                    rows = hidden[start : start + len(seq.prompt_ids) - 1]  # [n - 1, hidden]
+                    prompt_logits[seq.request_id] = self.model.compute_logits(rows)
+        return logits, prompt_logits

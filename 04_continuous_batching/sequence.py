@@ -11,7 +11,7 @@ from enum import Enum
 import torch
 
 from .detokenizer import IncrementalDetokenizer
-from .sampler import SamplingParams
+from .sampler import SamplingParams, TokenLogprobs
 
 
 @dataclass
@@ -19,11 +19,14 @@ class RequestOutput:
     """One step's news for the client: the sampled token, the text it made safe to send."""
 
     request_id: str
-    token_id: int
+    token_ids: list[int]  # the tokens this step added: one (none for a prompt scored with max_tokens 0)
     text: str  # may be "" while a character or a possible stop string is incomplete
     finish_reason: str | None  # None while running; then "stop", "length", or "error"
     prompt_tokens: int
     completion_tokens: int  # tokens generated so far, this one included
+    logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids, if the request asked
+    # In the first output only, if the request asked: prompt tokens 1... (the first has no logprob).
+    prompt_logprobs: list[TokenLogprobs] | None = None
     error: Exception | None = None  # why the request failed, with finish_reason "error"
 
     @property
@@ -60,6 +63,11 @@ class Sequence:
     def last_token_id(self) -> int:
         """The newest token: the one the next decode step runs."""
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Its first prefill must score the prompt (a recomputation after preemption has, already)."""
+        return self.params.prompt_logprobs is not None and not self.output_ids
 
     @property
     def num_tokens(self) -> int:

@@ -10,7 +10,8 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 # --- errors -----------------------------------------------------------------------------------
 
@@ -92,6 +93,23 @@ class StreamOptions(BaseModel):
 # Constraints in the types, so that the OpenAPI document says what the server accepts.
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
+TopLogprobs = Annotated[int, Field(ge=0, le=20)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
+def only(*allowed: Any, why: str) -> AfterValidator:
+    """A field OpenAI defines but this server cannot honour: its default values pass, anything else is a
+    400 naming the field. Silently ignoring it would hand the client a result it did not ask for."""
+
+    def check(value: Any) -> Any:
+        if value not in allowed:
+            raise PydanticCustomError("unsupported_parameter", why)
+        return value
+
+    return AfterValidator(check)
+
+
+N_LATER = "only one choice per prompt is supported; stage 05 adds n > 1, sharing the prompt's KV blocks"
 
 
 class SamplingRequest(BaseModel):
@@ -110,9 +128,18 @@ class SamplingRequest(BaseModel):
     )
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1, description="Only one choice per request is supported.")
+    n: Annotated[int, Field(ge=1), only(1, why=N_LATER)] = Field(1, description="Only one choice per request.")
+    presence_penalty: Penalty = Field(
+        0.0, description="Subtracted once from the logit of every token already generated (before temperature).")
+    frequency_penalty: Penalty = Field(
+        0.0, description="Subtracted from a token's logit once per time it was generated (before temperature).")
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, description="Token id (as a string) -> a bias added to its logit, -100 to 100 (before temperature).")
     ignore_eos: bool = Field(False, description="Keep generating past EOS (for benchmarks).")
     user: str | None = None
+    # OpenAI fields that change nothing for this server's output are accepted as they are:
+    # metadata, user, prompt_cache_key, safety_identifier, service_tier "auto"/"default".
+    service_tier: Annotated[str | None, only(None, "auto", "default", why="only the default tier exists")] = None
 
     @field_validator("stop")
     @classmethod
@@ -122,15 +149,41 @@ class SamplingRequest(BaseModel):
             raise ValueError("at most 4 stop strings are allowed")
         return stops
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or {}:
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids written as strings, not {key!r}")
+        return bias
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def token_bias(self) -> dict[int, float]:
+        """``logit_bias`` with int keys (the JSON object's keys are strings)."""
+        return {int(key): value for key, value in (self.logit_bias or {}).items()}
 
 
 class CompletionRequest(SamplingRequest):
     prompt: NonEmptyStr | Annotated[list[TokenId], Field(min_length=1)] = Field(
         description="Text, or a list of token ids.")
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0, description="0 is allowed with echo: score the prompt only.")
+    logprobs: TopLogprobs | None = Field(
+        None, description="Return each token's logprob and the k most likely alternatives (0 to 20).")
+    echo: bool = Field(False, description="Put the prompt before the completion (with logprobs: scored too).")
+    best_of: Annotated[int | None, Field(ge=1), only(None, 1, why="only 1 is supported")] = None
+    suffix: Annotated[str | None, only(None, "", why="insertion (text after the completion) is not supported")] = None
+
+    @model_validator(mode="after")
+    def _zero_tokens_only_with_echo(self) -> CompletionRequest:
+        # A rule across two fields: raised as the API error itself, so that it still names one field.
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError("max_tokens: 0 is only allowed with echo (to score the prompt)", param="max_tokens",
+                           code="greater_than_equal")
+        return self
 
 
 class TextPart(BaseModel):
@@ -150,10 +203,35 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+NO_TOOLS = "tools and function calling are not supported"
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="Newer name for max_tokens.")
+    logprobs: bool = Field(False, description="Return the logprob of each output token.")
+    top_logprobs: TopLogprobs | None = Field(
+        None, description="With logprobs: also the k most likely tokens at each position (0 to 20).")
+    # What this server cannot do: the defaults pass, anything else is a 400 that names the field.
+    tools: Annotated[list[Any] | None, only(None, [], why=NO_TOOLS)] = None
+    tool_choice: Annotated[Any, only(None, "none", why=NO_TOOLS)] = None
+    functions: Annotated[list[Any] | None, only(None, [], why=NO_TOOLS)] = None
+    function_call: Annotated[Any, only(None, "none", why=NO_TOOLS)] = None
+    response_format: Annotated[Any, only(None, {"type": "text"}, why="only {'type': 'text'} is supported")] = None
+    modalities: Annotated[list[str] | None, only(None, ["text"], why="only ['text'] is supported")] = None
+    audio: Annotated[Any, only(None, why="audio output is not supported")] = None
+    prediction: Annotated[Any, only(None, why="predicted outputs are not supported")] = None
+    reasoning_effort: Annotated[Any, only(None, why="not supported: the models served here do not reason")] = None
+    verbosity: Annotated[Any, only(None, why="not supported by the models served here")] = None
+    web_search_options: Annotated[Any, only(None, why="web search is not supported")] = None
+    store: Annotated[bool | None, only(None, False, why="this server stores no completions")] = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError("top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+        return self
 
     @property
     def output_limit(self) -> int | None:
@@ -187,10 +265,24 @@ class Usage(BaseModel):
         )
 
 
+class CompletionLogprobs(BaseModel):
+    """The completions API's logprobs: parallel lists, one entry per token (the prompt's first with echo).
+
+    ``top_logprobs`` maps token strings to logprobs: the k best and the chosen token, as OpenAI does.
+    ``text_offset`` is where each token's text starts in the choice's ``text`` (across chunks when
+    streaming). A prompt's first token has no logprob: nothing comes before it to predict it.
+    """
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -205,6 +297,21 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None  # the token's UTF-8 bytes
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]  # the k most likely tokens at this position, best first
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -213,7 +320,7 @@ class ChatMessageOut(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
 
 
@@ -234,7 +341,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -285,7 +392,7 @@ def resolve_max_tokens(prompt_tokens: int, requested: int | None, max_model_len:
     return requested
 
 
-def check_token_ids(ids: list[int], vocab_size: int) -> None:
+def check_token_ids(ids: list[int], vocab_size: int, param: str = "prompt") -> None:
     bad = [i for i in ids if not 0 <= i < vocab_size]
     if bad:
-        raise APIError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param="prompt")
+        raise APIError(f"{param} token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param=param)

@@ -27,7 +27,7 @@ MODEL = "smollm2-135m-instruct"
 
 def run_engine(engine, prompt_ids, params):
     outputs = list(engine.generate("test", prompt_ids, params))
-    return [o.token_id for o in outputs], "".join(o.text for o in outputs), outputs[-1]
+    return [t for o in outputs for t in o.token_ids], "".join(o.text for o in outputs), outputs[-1]
 
 
 @pytest.mark.parametrize("prompt", TEXT_PROMPTS)
@@ -157,21 +157,26 @@ def test_models_health_and_metrics(server02):
 
 class Chunk(BaseModel):
     text: str | None
+    token_ids: list[int] = []
     finish_reason: str | None
     usage: Usage | None = None
 
 
-def chunk(text: str | None, finish_reason: str | None, usage: Usage | None = None) -> Chunk:
-    return Chunk(text=text, finish_reason=finish_reason, usage=usage)
+def chunk(step: list | None, usage: Usage | None = None) -> Chunk:
+    """What sse_response asks the endpoint for: a chunk of a group of outputs, or (None) the usage chunk."""
+    if step is None:
+        return Chunk(text=None, finish_reason=None, usage=usage)
+    return Chunk(text="".join(o.text for o in step), token_ids=[t for o in step for t in o.token_ids],
+                 finish_reason=step[-1].finish_reason)
 
 
 @pytest.mark.exercise("2.4")
 @pytest.mark.parametrize("include_usage", [False, True])
 def test_sse_events_frame_each_chunk_and_end_with_done(include_usage):
     outputs = [
-        sequence.RequestOutput("r", 11, "Hel", None, prompt_tokens=3, completion_tokens=1),
-        sequence.RequestOutput("r", 12, "", None, prompt_tokens=3, completion_tokens=2),  # held back: no event
-        sequence.RequestOutput("r", 13, "lo", "stop", prompt_tokens=3, completion_tokens=3),
+        sequence.RequestOutput("r", [11], "Hel", None, prompt_tokens=3, completion_tokens=1),
+        sequence.RequestOutput("r", [12], "", None, prompt_tokens=3, completion_tokens=2),  # held back: no event
+        sequence.RequestOutput("r", [13], "lo", "stop", prompt_tokens=3, completion_tokens=3),
     ]
 
     async def produce():
@@ -181,10 +186,13 @@ def test_sse_events_frame_each_chunk_and_end_with_done(include_usage):
     async def read(response) -> list[str]:
         return [event async for event in response.body_iterator]
 
-    response = server_module.sse_response(produce(), [chunk("", None)], chunk, include_usage)
-    expected = [chunk("", None), chunk("Hel", None), chunk("lo", "stop")]
+    opening = Chunk(text="", finish_reason=None)
+    response = server_module.sse_response(produce(), [opening], chunk, include_usage)
+    # The held-back output travels with the next chunk: its token (and logprobs) go out with its text.
+    expected = [opening, Chunk(text="Hel", token_ids=[11], finish_reason=None),
+                Chunk(text="lo", token_ids=[12, 13], finish_reason="stop")]
     if include_usage:
-        expected.append(chunk(None, None, usage=Usage.of(3, 3)))
+        expected.append(chunk(None, usage=Usage.of(3, 3)))
     assert response.media_type == "text/event-stream"
     assert asyncio.run(read(response)) == [f"data: {c.model_dump_json()}\n\n" for c in expected] + ["data: [DONE]\n\n"]
 

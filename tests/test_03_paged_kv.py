@@ -22,7 +22,7 @@ def greedy(max_tokens: int, **kwargs) -> object:
 
 
 def token_ids(engine, prompt_ids: list[int], params) -> list[int]:
-    return [output.token_id for output in engine.generate("test", prompt_ids, params)]
+    return [t for output in engine.generate("test", prompt_ids, params) for t in output.token_ids]
 
 
 # --- the same tokens as Hugging Face and as stage 02 -----------------------------------------------

@@ -67,7 +67,7 @@ def test_requests_that_join_mid_way_still_equal_hf(engine04, mixed):
         step_outputs = engine04.step()
         batch_sizes.append(len(step_outputs))
         for output in step_outputs:
-            outputs[output.request_id].append(output.token_id)
+            outputs[output.request_id].extend(output.token_ids)
     assert [outputs[f"late-{i}"] for i in range(8)] == [expected for _, expected in mixed[:8]]
     assert max(batch_sizes) > 4  # they really ran together
 

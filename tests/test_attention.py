@@ -154,7 +154,7 @@ def test_stage03_gives_the_same_logits_through_either_implementation(monkeypatch
         monkeypatch.setenv("LLM_ATTENTION", impl)
         table: list[int] = []
         with torch.inference_mode():
-            steps = [engine.prefill(prompt, table)]
+            steps = [engine.prefill(prompt, table)[0]]
             for position in range(len(prompt), 18):
                 steps.append(engine.decode_one_token(int(steps[-1].argmax()), position, table))
         engine.block_manager.free(table)

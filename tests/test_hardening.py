@@ -111,10 +111,10 @@ def inject_fault(monkeypatch, folder: str, engine, error: Exception) -> None:
     if folder == "04_continuous_batching":  # the per-sequence work after the batched forward pass
         append = engine._append
 
-        def faulty_append(seq, token_id):
+        def faulty_append(seq, *args):
             if seq.prompt_ids == poison_ids:
                 raise error
-            return append(seq, token_id)
+            return append(seq, *args)
 
         monkeypatch.setattr(engine, "_append", faulty_append)
     else:
