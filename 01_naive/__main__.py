@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from common.cli import DEMO_PROMPTS, model_dir_or_exit, served_name, stage_parser
+from common.cli import DEMO_PROMPTS, config_from_args, served_name, stage_parser
+from common.device import DeviceUnavailable
 
+from .config import EngineConfig
 from .engine import Engine
 from .sampler import SamplingParams
 
@@ -23,9 +25,11 @@ def demo(engine: Engine, max_tokens: int) -> None:
 
 
 def main() -> None:
-    args = stage_parser("01_naive", "Stage 01: the simplest LLM server (Flask, one request at a time).",
-                        default_port=8001).parse_args()
-    engine = Engine(model_dir_or_exit(args.model), device=args.device, dtype=args.dtype)
+    args = stage_parser(__package__, EngineConfig).parse_args()
+    try:
+        engine = Engine(config_from_args(EngineConfig, args))
+    except DeviceUnavailable as exc:
+        raise SystemExit(f"error: {exc}") from None
     print(f"Loaded {args.model} on {engine.device} ({engine.dtype}), context {engine.max_model_len} tokens")
     if args.demo:
         demo(engine, args.max_tokens)

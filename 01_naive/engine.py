@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.cache_utils import Cache
 
+from common.device import pick_device, pick_dtype
+from common.weights import resolve_model
+
+from .config import EngineConfig
 from .sampler import SamplingParams, make_generator, sample
 
 
@@ -33,19 +36,6 @@ class GenerationResult:
         return len(self.output_ids)
 
 
-def pick_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """float32 on CPU (exact, and fast enough for a 135M model); bfloat16 on CUDA."""
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, dtype)
-
-
 def kv_cache_bytes(cache: Cache) -> int:
     """Bytes held by the KV cache: every layer's K and V tensors, [B, kv_heads, T, head_dim] each."""
     return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
@@ -54,9 +44,11 @@ def kv_cache_bytes(cache: Cache) -> int:
 class Engine:
     """One model, one request at a time."""
 
-    def __init__(self, model_dir: Path, device: str = "auto", dtype: str = "auto") -> None:
-        self.device = pick_device(device)
-        self.dtype = pick_dtype(dtype, self.device)
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, self.device)
+        model_dir = resolve_model(config.model)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         self.model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=self.dtype, local_files_only=True

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import time
 
-from common.cli import DEMO_PROMPTS, model_dir_or_exit, served_name, stage_parser
+from common.cli import DEMO_PROMPTS, config_from_args, served_name, stage_parser
+from common.device import DeviceUnavailable
 from common.limits import Limits, add_limit_args
 
+from .config import EngineConfig
 from .engine import AsyncEngine, Engine
 from .sampler import SamplingParams
 
@@ -28,11 +30,13 @@ def demo(engine: Engine, max_tokens: int) -> None:
 
 
 def main() -> None:
-    parser = stage_parser("02_streaming", "Stage 02: an async, streaming, OpenAI-compatible server.",
-                          default_port=8002)
+    parser = stage_parser(__package__, EngineConfig)
     add_limit_args(parser)
     args = parser.parse_args()
-    engine = Engine(model_dir_or_exit(args.model), device=args.device, dtype=args.dtype)
+    try:
+        engine = Engine(config_from_args(EngineConfig, args))
+    except DeviceUnavailable as exc:
+        raise SystemExit(f"error: {exc}") from None
     print(f"Loaded {args.model} on {engine.device} ({engine.dtype}), context {engine.max_model_len} tokens")
     if args.demo:
         demo(engine, args.max_tokens)

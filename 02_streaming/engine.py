@@ -13,37 +13,46 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.cache_utils import Cache
 
+from common.device import pick_device, pick_dtype
+from common.weights import resolve_model
+
+from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .metrics import Metrics
 from .sampler import SamplingParams, compute_logprobs, make_generator, sample
 from .sequence import Request, RequestOutput
 
 
-def pick_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+class InvalidRequest(ValueError):
+    """The engine cannot take this request (token ids outside the vocabulary, too long): a 400."""
 
 
-def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """float32 on CPU (exact, and fast enough for a 135M model); bfloat16 on CUDA."""
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, dtype)
+class EngineStopped(RuntimeError):
+    """The engine thread has exited: nothing it held or was sent will ever be served."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's load at one moment (``/health`` reads it)."""
+
+    running: int
+    waiting: int
 
 
 class Engine:
     """One model, one request at a time."""
 
-    def __init__(self, model_dir: Path, device: str = "auto", dtype: str = "auto") -> None:
-        self.device = pick_device(device)
-        self.dtype = pick_dtype(dtype, self.device)
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, self.device)
+        model_dir = resolve_model(config.model)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         self.model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=self.dtype, local_files_only=True
@@ -69,6 +78,17 @@ class Engine:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer(text, add_special_tokens=False).input_ids  # the template has them
 
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Refuse what would break the model, whoever calls it (the server checks too)."""
+        vocab_size = self.model.config.vocab_size
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty")
+        if bad := [i for i in [*prompt_ids, *params.logit_bias] if not 0 <= i < vocab_size]:
+            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequest(f"{len(prompt_ids)} prompt + {params.max_tokens} new tokens exceed the context "
+                                 f"length of {self.max_model_len}")
+
     # --- the two phases -------------------------------------------------------------------
     def prefill(self, prompt_ids: list[int]) -> tuple[torch.Tensor, Cache]:
         """Run the whole prompt at once; return every position's logits and the filled cache.
@@ -82,9 +102,11 @@ class Engine:
 
     def decode_one_token(self, token_id: int, cache: Cache) -> tuple[torch.Tensor, Cache]:
         """Run one new token against the cache; the cache grows by one position per layer."""
+        ### BEGIN SOLUTION 1.3
         input_ids = torch.tensor([[token_id]], device=self.device)  # [1, 1]
         out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True)
         return out.logits[0, -1], out.past_key_values  # logits: [V]
+        ### END SOLUTION
 
     # --- the generation loop --------------------------------------------------------------
     @torch.inference_mode()
@@ -94,6 +116,7 @@ class Engine:
         Yields after every token. Whoever iterates may simply stop (a client went away): the
         generator, and the KV cache it holds, is then dropped before the next decode step.
         """
+        self.check_request(prompt_ids, params)
         generator = make_generator(params.seed, self.device)
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
         output_ids: list[int] = []
@@ -127,15 +150,14 @@ class Engine:
             logits, cache = self.decode_one_token(token_id, cache)
 
 
-class EngineStopped(RuntimeError):
-    """The engine thread has exited: nothing it held or was sent will ever be served."""
-
-
 class AsyncEngine:
     """Runs ``Engine.generate`` on one thread, first come first served, for an asyncio server."""
 
     def __init__(self, engine: Engine, metrics: Metrics | None = None) -> None:
-        self.engine = engine
+        self._engine = engine
+        # What the server may read from any thread: fixed at start-up.
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
         self.metrics = metrics or Metrics()
         self._inbox: queue.Queue[Request | None] = queue.Queue()  # None asks the thread to exit
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -154,31 +176,39 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    @property
-    def load(self) -> dict[str, int]:
-        """Requests being generated for and requests queued, as the metrics count them."""
+    def stats(self) -> EngineStats:
+        """Requests being generated for and requests queued, as the gauges count them (both threads move
+        them, under the lock)."""
         value = self.metrics.registry.get_sample_value
-        return {"running": int(value("llm_requests_running")), "waiting": int(value("llm_requests_waiting"))}
+        return EngineStats(int(value("llm_requests_running")), int(value("llm_requests_waiting")))
+
+    def encode(self, prompt: str) -> list[int]:
+        return self._engine.encode(prompt)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        return self._engine.encode_chat(messages)
 
     # --- the HTTP side (asyncio) ----------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs as the engine thread produces them.
 
-        If the consumer stops early (the client disconnected, the task was cancelled), the
-        ``finally`` marks the request aborted and the engine thread drops it at its next step.
+        A failure arrives as an output with ``error`` set (the last one). If the consumer stops early
+        (the client disconnected, the task was cancelled), the ``finally`` marks the request aborted
+        and the engine thread drops it at its next step.
         """
         self._next_id += 1
         request = Request(f"req-{self._next_id}", prompt_ids, params, loop=asyncio.get_running_loop())
         with self._lock:
-            if self._stopped:
-                raise EngineStopped("the engine has stopped; the server must be restarted")
-            self.metrics.waiting.inc()
-            self._inbox.put(request)
+            stopped = self._stopped
+            if not stopped:
+                self.metrics.waiting.inc()
+                self._inbox.put(request)
+        if stopped:
+            yield RequestOutput.failed(request.request_id, EngineStopped("the engine has stopped"), len(prompt_ids))
+            return
         try:
             while True:
                 output = await request.outputs.get()
-                if isinstance(output, Exception):
-                    raise output
                 yield output
                 if output.finished:
                     return
@@ -204,7 +234,7 @@ class AsyncEngine:
                 self._stopped = True
             while not self._inbox.empty():
                 if (request := self._inbox.get()) is not None and request.state == "waiting":
-                    self._deliver(request, EngineStopped("the engine stopped before serving this request"))
+                    self._fail(request, EngineStopped("the engine stopped before serving this request"))
 
     def _serve_in_order(self) -> None:
         while (request := self._inbox.get()) is not None:
@@ -217,9 +247,9 @@ class AsyncEngine:
             try:
                 self._serve(request)
             except Exception as exc:  # fail this request, keep serving the others
-                self._deliver(request, exc)
+                self._fail(request, exc)
             except BaseException:  # the thread itself is going down: say so, then go
-                self._deliver(request, EngineStopped("the engine stopped while serving this request"))
+                self._fail(request, EngineStopped("the engine stopped while serving this request"))
                 raise
             finally:
                 with self._lock:
@@ -230,7 +260,7 @@ class AsyncEngine:
     def _serve(self, request: Request) -> None:
         self.metrics.prompt_tokens.inc(len(request.prompt_ids))
         last_token_time = request.arrival_time
-        for output in self.engine.generate(request.request_id, request.prompt_ids, request.params):
+        for output in self._engine.generate(request.request_id, request.prompt_ids, request.params):
             now = time.perf_counter()
             if output.completion_tokens == 1:
                 self.metrics.ttft.observe(now - request.arrival_time)
@@ -242,10 +272,13 @@ class AsyncEngine:
             if request.state == "aborted":
                 return  # leaving the loop drops the generator and its KV cache
 
+    def _fail(self, request: Request, error: Exception) -> None:
+        self._deliver(request, RequestOutput.failed(request.request_id, error, len(request.prompt_ids)))
+
     @staticmethod
-    def _deliver(request: Request, item: RequestOutput | Exception) -> None:
-        """Hand an item to the request's asyncio queue from this (non-asyncio) thread."""
+    def _deliver(request: Request, output: RequestOutput) -> None:
+        """Hand an output to the request's asyncio queue from this (non-asyncio) thread."""
         try:
-            request.loop.call_soon_threadsafe(request.outputs.put_nowait, item)
+            request.loop.call_soon_threadsafe(request.outputs.put_nowait, output)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             request.state = "aborted"

@@ -17,16 +17,22 @@ class RequestOutput:
     request_id: str
     token_ids: list[int]  # the tokens this step added: one (none for a prompt scored with max_tokens 0)
     text: str  # may be "" while a character or a possible stop string is incomplete
-    finish_reason: str | None  # None while running; then "stop" or "length"
+    finish_reason: str | None  # None while running; then "stop", "length", or "error"
     prompt_tokens: int
     completion_tokens: int  # tokens generated so far, this one included
     logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids, if the request asked
     # In the first output only, if the request asked: prompt tokens 1... (the first has no logprob).
     prompt_logprobs: list[TokenLogprobs] | None = None
+    error: Exception | None = None  # why the request failed, with finish_reason "error"
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @classmethod
+    def failed(cls, request_id: str, error: Exception, prompt_tokens: int, completion_tokens: int = 0) -> RequestOutput:
+        """The last output of a request that failed: the server turns ``error`` into an HTTP status."""
+        return cls(request_id, [], "", "error", prompt_tokens, completion_tokens, error=error)
 
 
 @dataclass
@@ -36,9 +42,8 @@ class Request:
     params: SamplingParams
     # Where the engine thread delivers RequestOutputs (or an exception): the HTTP side's loop/queue.
     loop: asyncio.AbstractEventLoop
-    outputs: asyncio.Queue[RequestOutput | Exception] = field(default_factory=asyncio.Queue)
+    outputs: asyncio.Queue[RequestOutput] = field(default_factory=asyncio.Queue)
     arrival_time: float = field(default_factory=time.perf_counter)
-    output_ids: list[int] = field(default_factory=list)
     # waiting -> running -> finished, or -> aborted when the client goes away (the engine checks
     # before every decode step). Moves happen under AsyncEngine's lock.
     state: Literal["waiting", "running", "finished", "aborted"] = "waiting"

@@ -10,6 +10,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
+from dataclasses import asdict
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -42,8 +43,9 @@ from common.protocol import (
     resolve_max_tokens,
 )
 
+from . import TITLE
 from .detokenizer import IncrementalDetokenizer
-from .engine import AsyncEngine, EngineStopped
+from .engine import AsyncEngine, EngineStopped, InvalidRequest
 from .sampler import SamplingParams
 from .sequence import RequestOutput
 
@@ -60,8 +62,8 @@ GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 def create_app(engine: AsyncEngine, model_name: str, limits: Limits | None = None) -> FastAPI:
-    tokenizer = engine.engine.tokenizer
-    max_model_len = engine.engine.max_model_len
+    tokenizer = engine.tokenizer
+    max_model_len = engine.max_model_len
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -69,7 +71,7 @@ def create_app(engine: AsyncEngine, model_name: str, limits: Limits | None = Non
         yield
         engine.stop()
 
-    app = FastAPI(title="Stage 02: streaming server", lifespan=lifespan)
+    app = FastAPI(title=TITLE, lifespan=lifespan)
     add_error_handlers(app)
     add_limits(app, limits or Limits())
 
@@ -110,7 +112,7 @@ def create_app(engine: AsyncEngine, model_name: str, limits: Limits | None = Non
     @app.post("/v1/completions", response_model=CompletionResponse, responses=GENERATION_RESPONSES)
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         if isinstance(req.prompt, str):
-            prompt_ids = engine.engine.encode(req.prompt)
+            prompt_ids = engine.encode(req.prompt)
         else:
             check_token_ids(req.prompt, len(tokenizer))
             prompt_ids = req.prompt
@@ -137,7 +139,7 @@ def create_app(engine: AsyncEngine, model_name: str, limits: Limits | None = Non
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=GENERATION_RESPONSES)
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
-        prompt_ids = engine.engine.encode_chat([{"role": m.role, "content": m.text()} for m in req.messages])
+        prompt_ids = engine.encode_chat([{"role": m.role, "content": m.text()} for m in req.messages])
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(req, prompt_ids, req.output_limit, logprobs)
         writer = AnswerWriter(decode, req.logprobs)
@@ -176,7 +178,7 @@ def create_app(engine: AsyncEngine, model_name: str, limits: Limits | None = Non
     async def health() -> JSONResponse:
         if not engine.alive:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
-        return JSONResponse({"status": "ok", **engine.load})
+        return JSONResponse({"status": "ok", **asdict(engine.stats())})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -192,6 +194,16 @@ def client_gone() -> Response:
 
 def usage_of(output: RequestOutput) -> Usage:
     return Usage.of(output.prompt_tokens, output.completion_tokens)
+
+
+def error_of(output: RequestOutput) -> APIError:
+    """The one place where an engine's error becomes an HTTP status (and the stream's error event)."""
+    error = output.error
+    if isinstance(error, EngineStopped):
+        return APIError(f"{type(error).__name__}: {error}; the server must be restarted", 503, code="engine_stopped")
+    if isinstance(error, InvalidRequest):
+        return APIError(str(error), 400)
+    return APIError(f"generation failed: {type(error).__name__}: {error}", 500)
 
 
 # --- streaming -------------------------------------------------------------------------------
@@ -225,6 +237,9 @@ def sse_response(
             step: list[RequestOutput] = []
             last = None
             async for output in outputs:
+                if output.error is not None:
+                    yield sse_event(error_of(output).body())  # the headers are sent: the error goes in the stream
+                    break
                 step.append(output)
                 last = output
                 # "" means held back: nothing new to say yet, so the output waits for the next chunk
@@ -232,11 +247,11 @@ def sse_response(
                 if output.text or output.finished:
                     yield sse_event(chunk(step))
                     step = []
-            if include_usage and last is not None:
+            if include_usage and last is not None and last.finished:
                 yield sse_event(chunk(None, usage=usage_of(last)))  # choices: [], usage: {...}
             ### END SOLUTION
-        except Exception as exc:  # the headers are sent: report the error inside the stream
-            yield sse_event(APIError(f"generation failed: {type(exc).__name__}: {exc}", 500).body())
+        except Exception as exc:  # a bug of the server's own (the engine's errors are outputs, above)
+            yield sse_event(APIError(f"streaming failed: {type(exc).__name__}: {exc}", 500).body())
         finally:
             await outputs.aclose()
         yield "data: [DONE]\n\n"
@@ -245,9 +260,9 @@ def sse_response(
 
 
 async def collect(outputs: AsyncIterator[RequestOutput], raw: Request) -> list[RequestOutput] | None:
-    """Gather every output of a request, or None if the client disconnected first (the request is aborted).
+    """Gather every output of a request, or None if the client disconnected first (the request is dropped).
 
-    A failed generation becomes the error object: 503 if the engine has stopped, else 500."""
+    A failed request raises its error object (see ``error_of``)."""
 
     async def gather() -> list[RequestOutput]:
         everything = [output async for output in outputs]
@@ -265,12 +280,12 @@ async def collect(outputs: AsyncIterator[RequestOutput], raw: Request) -> list[R
     finally:
         watch.cancel()
         if not work.done():
-            work.cancel()  # raises inside ``outputs``, whose ``finally`` aborts the request
+            work.cancel()  # raises inside ``outputs``, whose ``finally`` drops the request
             with suppress(asyncio.CancelledError):
                 await work
     if work.cancelled():
         return None
-    if (error := work.exception()) is not None:
-        status = 503 if isinstance(error, EngineStopped) else 500
-        raise APIError(f"generation failed: {type(error).__name__}: {error}", status) from error
-    return work.result()
+    everything = work.result()
+    if everything[-1].error is not None:
+        raise error_of(everything[-1])
+    return everything

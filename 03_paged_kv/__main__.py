@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import time
 
-from common.cli import DEMO_PROMPTS, model_dir_or_exit, served_name, stage_parser
+from common.cli import DEMO_PROMPTS, config_from_args, served_name, stage_parser
+from common.device import DeviceUnavailable
 from common.limits import Limits, add_limit_args
 
+from .config import EngineConfig
 from .engine import AsyncEngine, Engine
 from .sampler import SamplingParams
 
@@ -31,16 +33,13 @@ def demo(engine: Engine, max_tokens: int) -> None:
 
 
 def main() -> None:
-    parser = stage_parser("03_paged_kv", "Stage 03: the streaming server on its own model, with a paged KV cache.",
-                          default_port=8003)
-    parser.add_argument("--kv-cache-mb", type=int, default=512, help="KV-cache pool size on CPU (default: 512)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                        help="on CUDA, the share of free memory (after the weights) the pool takes (default: 0.9)")
-    parser.add_argument("--block-size", type=int, default=16, choices=[16, 32, 64, 128], help="tokens per block")
+    parser = stage_parser(__package__, EngineConfig)
     add_limit_args(parser)
     args = parser.parse_args()
-    engine = Engine(model_dir_or_exit(args.model), device=args.device, dtype=args.dtype, kv_cache_mb=args.kv_cache_mb,
-                    block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization)
+    try:
+        engine = Engine(config_from_args(EngineConfig, args))
+    except DeviceUnavailable as exc:
+        raise SystemExit(f"error: {exc}") from None
     cache = engine.kv_cache
     print(f"Loaded {args.model} on {engine.device} ({engine.dtype}), context {engine.max_model_len} tokens")
     print(f"KV cache: {cache.num_blocks} blocks x {args.block_size} tokens = {engine.kv_capacity_tokens} tokens, "

@@ -49,6 +49,7 @@ class IncrementalDetokenizer:
         return self._take(len(self.text))
 
     def _decode_new(self, final: bool = False) -> str:
+        ### BEGIN SOLUTION 2.2
         context = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
         window = self.tokenizer.decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
         if final:
@@ -59,6 +60,7 @@ class IncrementalDetokenizer:
             return ""  # nothing new yet (a special token, or bytes of an unfinished character)
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return window[len(context) :]
+        ### END SOLUTION
 
     def _cut_at_stop(self) -> bool:
         """Cut ``text`` before the earliest stop string; what was sent cannot hold one (see _held_back)."""
@@ -71,12 +73,14 @@ class IncrementalDetokenizer:
 
     def _held_back(self) -> int:
         """Length of the longest unsent tail of ``text`` that could be the start of a stop string."""
+        ### BEGIN SOLUTION 2.1
         unsent = self.text[self.sent :]
         longest = max((len(s) for s in self.stop), default=0)
         for n in range(min(len(unsent), longest), 0, -1):
             if any(s.startswith(unsent[-n:]) for s in self.stop):
                 return n
         return 0
+        ### END SOLUTION
 
     def _take(self, end: int) -> str:
         delta = self.text[self.sent : end]

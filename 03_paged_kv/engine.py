@@ -16,13 +16,17 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import closing
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 from transformers import AutoTokenizer
 
+from common.device import pick_device, pick_dtype
+from common.weights import resolve_model
+
 from .attention import AttentionMetadata
 from .block_manager import BlockManager
+from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache import KVCache, budget_bytes
 from .metrics import Metrics
@@ -31,26 +35,39 @@ from .sampler import SamplingParams, compute_logprobs, make_generator, sample
 from .sequence import Request, RequestOutput
 
 
-def pick_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+class InvalidRequest(ValueError):
+    """The engine cannot take this request (token ids outside the vocabulary, too long): a 400."""
 
 
-def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """float32 on CPU (exact, and fast enough for a 135M model); bfloat16 on CUDA."""
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, dtype)
+class EngineStopped(RuntimeError):
+    """The engine thread has exited: nothing it held or was sent will ever be served."""
+
+
+@dataclass(frozen=True)
+class KVBlockStats:
+    total: int
+    used: int
+    free: int
+    block_size: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's load at one moment (``/health`` and ``/metrics`` read it)."""
+
+    running: int
+    waiting: int
+    kv_blocks: KVBlockStats
 
 
 class Engine:
     """One model, one KV-cache pool, one request at a time."""
 
-    def __init__(self, model_dir: Path, device: str = "auto", dtype: str = "auto", kv_cache_mb: int = 512,
-                 block_size: int = 16, gpu_memory_utilization: float = 0.9) -> None:
-        self.device = pick_device(device)
-        self.dtype = pick_dtype(dtype, self.device)
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, self.device)
+        model_dir = resolve_model(config.model)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         self.model = LlamaForCausalLM.from_pretrained(model_dir, dtype=self.dtype, device=self.device)
         self.max_model_len: int = self.model.config.max_position_embeddings
@@ -58,15 +75,19 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         # The pool is allocated after the weights, so that on CUDA it takes a share of what they left.
-        shape = self.model.config.cache_shape(block_size, self.dtype)
-        budget = budget_bytes(self.device, kv_cache_mb, gpu_memory_utilization)
+        shape = self.model.config.cache_shape(config.block_size, self.dtype)
+        budget = budget_bytes(self.device, config.kv_cache_mb, config.gpu_memory_utilization)
         self.kv_cache = KVCache.allocate(shape, budget, self.device)
-        self.block_manager = BlockManager(self.kv_cache.num_blocks, block_size)
+        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size)
 
     @property
     def kv_capacity_tokens(self) -> int:
         """Tokens the whole pool can hold: the most any one sequence can ever reach."""
         return self.block_manager.num_blocks * self.block_manager.block_size
+
+    def kv_blocks(self) -> KVBlockStats:
+        blocks = self.block_manager
+        return KVBlockStats(blocks.num_blocks, blocks.num_used, blocks.num_free, blocks.block_size)
 
     # --- text <-> token ids ---------------------------------------------------------------
     def encode(self, prompt: str) -> list[int]:
@@ -77,21 +98,38 @@ class Engine:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer(text, add_special_tokens=False).input_ids  # the template has them
 
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Refuse what would break the model, whoever calls it (the server checks too)."""
+        vocab_size = self.model.config.vocab_size
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty")
+        if bad := [i for i in [*prompt_ids, *params.logit_bias] if not 0 <= i < vocab_size]:
+            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequest(f"{len(prompt_ids)} prompt + {params.max_tokens} new tokens exceed the context "
+                                 f"length of {self.max_model_len}")
+        # A sequence that outgrew the whole pool could never run.
+        if len(prompt_ids) + params.max_tokens > self.kv_capacity_tokens:
+            raise InvalidRequest(f"{len(prompt_ids)} prompt + {params.max_tokens} new tokens exceed the "
+                                 f"{self.kv_capacity_tokens} tokens of the KV cache")
+
     # --- the two phases -------------------------------------------------------------------
     def _tensor(self, values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
 
-    def _forward(self, token_ids: list[int], start: int, block_table: list[int], is_prefill: bool) -> torch.Tensor:
-        """Run ``token_ids`` at positions ``start...`` of one sequence; return their hidden states."""
+    def _forward(self, token_ids: list[int], start: int, block_table: list[int]) -> torch.Tensor:
+        """Run ``token_ids`` at positions ``start...`` of one sequence, whose first ``start`` tokens are
+        in the cache already; write their K/V to the pool and return their hidden states."""
         end = start + len(token_ids)
         self.block_manager.grow(block_table, end)  # a new block only when the last one is full
         meta = AttentionMetadata(
-            is_prefill=is_prefill,
             slot_mapping=self._tensor(self.block_manager.slot_mapping(block_table, start, end), torch.int64),
-            block_tables=self._tensor([block_table]),  # [1, num_blocks]: one sequence in this stage
-            context_lens=self._tensor([end]),
-            cu_seqlens=self._tensor([0, len(token_ids)]),
-            max_seqlen=len(token_ids),
+            query_start_loc=self._tensor([0, len(token_ids)]),  # one sequence in this stage
+            query_lens=self._tensor([len(token_ids)]),
+            seq_lens=self._tensor([end]),
+            block_tables=self._tensor([block_table]),  # [1, num_blocks]
+            max_query_len=len(token_ids),
+            logits_indices=self._tensor([len(token_ids) - 1], torch.int64),
         )
         input_ids = self._tensor(token_ids, torch.int64)  # [T]
         positions = torch.arange(start, end, device=self.device)  # [T]
@@ -105,13 +143,13 @@ class Engine:
         ``score_prompt`` (prompt logprobs) do the other T - 1 rows go through the output projection
         too, [T - 1, V]: separately, so that the last row's logits are the same either way.
         """
-        hidden = self._forward(prompt_ids, 0, block_table, is_prefill=True)  # [T, hidden]
+        hidden = self._forward(prompt_ids, 0, block_table)  # [T, hidden]
         prompt_logits = self.model.compute_logits(hidden[:-1]) if score_prompt else None
         return self.model.compute_logits(hidden[-1:])[0], prompt_logits
 
     def decode_one_token(self, token_id: int, position: int, block_table: list[int]) -> torch.Tensor:
         """Run one new token at ``position``, reading the cache through the block table; logits: [V]."""
-        hidden = self._forward([token_id], position, block_table, is_prefill=False)  # [1, hidden]
+        hidden = self._forward([token_id], position, block_table)  # [1, hidden]
         return self.model.compute_logits(hidden)[0]
 
     # --- the generation loop --------------------------------------------------------------
@@ -122,6 +160,7 @@ class Engine:
         Yields after every token. Whoever iterates may simply stop (a client went away): closing
         the generator runs the ``finally``, which hands the sequence's blocks back to the pool.
         """
+        self.check_request(prompt_ids, params)
         generator = make_generator(params.seed, self.device)
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
         output_ids: list[int] = []
@@ -160,17 +199,18 @@ class Engine:
             self.block_manager.free(block_table)
 
 
-class EngineStopped(RuntimeError):
-    """The engine thread has exited: nothing it held or was sent will ever be served."""
-
-
 class AsyncEngine:
     """Runs ``Engine.generate`` on one thread, first come first served, for an asyncio server."""
 
     def __init__(self, engine: Engine, metrics: Metrics | None = None) -> None:
-        self.engine = engine
+        self._engine = engine
+        # What the server may read from any thread: fixed at start-up.
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
         self.metrics = metrics or Metrics()
-        self.metrics.watch_kv_blocks(engine.block_manager)
+        self.kv_capacity_tokens = engine.kv_capacity_tokens
+        self._kv_blocks = engine.kv_blocks()  # replaced by the engine thread, which alone changes the pool
+        self.metrics.watch(self.stats)
         self._inbox: queue.Queue[Request | None] = queue.Queue()  # None asks the thread to exit
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._lock = threading.Lock()  # guards request.state moves between the two threads
@@ -188,31 +228,39 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    @property
-    def load(self) -> dict[str, int]:
-        """Requests being generated for and requests queued, as the metrics count them."""
+    def stats(self) -> EngineStats:
+        """Requests being generated for and requests queued, as the gauges count them (both threads move
+        them, under the lock)."""
         value = self.metrics.registry.get_sample_value
-        return {"running": int(value("llm_requests_running")), "waiting": int(value("llm_requests_waiting"))}
+        return EngineStats(int(value("llm_requests_running")), int(value("llm_requests_waiting")), self._kv_blocks)
+
+    def encode(self, prompt: str) -> list[int]:
+        return self._engine.encode(prompt)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        return self._engine.encode_chat(messages)
 
     # --- the HTTP side (asyncio) ----------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs as the engine thread produces them.
 
-        If the consumer stops early (the client disconnected, the task was cancelled), the
-        ``finally`` marks the request aborted and the engine thread drops it at its next step.
+        A failure arrives as an output with ``error`` set (the last one). If the consumer stops early
+        (the client disconnected, the task was cancelled), the ``finally`` marks the request aborted
+        and the engine thread drops it at its next step.
         """
         self._next_id += 1
         request = Request(f"req-{self._next_id}", prompt_ids, params, loop=asyncio.get_running_loop())
         with self._lock:
-            if self._stopped:
-                raise EngineStopped("the engine has stopped; the server must be restarted")
-            self.metrics.waiting.inc()
-            self._inbox.put(request)
+            stopped = self._stopped
+            if not stopped:
+                self.metrics.waiting.inc()
+                self._inbox.put(request)
+        if stopped:
+            yield RequestOutput.failed(request.request_id, EngineStopped("the engine has stopped"), len(prompt_ids))
+            return
         try:
             while True:
                 output = await request.outputs.get()
-                if isinstance(output, Exception):
-                    raise output
                 yield output
                 if output.finished:
                     return
@@ -221,11 +269,13 @@ class AsyncEngine:
 
     def _abort(self, request: Request) -> None:
         """Forget a request: at once if it still waits, at the engine's next step if it runs."""
+        ### BEGIN SOLUTION 2.3
         with self._lock:
             if request.state == "waiting":
                 self.metrics.waiting.dec()
             if request.state != "finished":
                 request.state = "aborted"
+        ### END SOLUTION
 
     # --- the engine thread ----------------------------------------------------------------
     def _run(self) -> None:
@@ -236,7 +286,7 @@ class AsyncEngine:
                 self._stopped = True
             while not self._inbox.empty():
                 if (request := self._inbox.get()) is not None and request.state == "waiting":
-                    self._deliver(request, EngineStopped("the engine stopped before serving this request"))
+                    self._fail(request, EngineStopped("the engine stopped before serving this request"))
 
     def _serve_in_order(self) -> None:
         while (request := self._inbox.get()) is not None:
@@ -249,11 +299,12 @@ class AsyncEngine:
             try:
                 self._serve(request)
             except Exception as exc:  # fail this request, keep serving the others
-                self._deliver(request, exc)
+                self._fail(request, exc)
             except BaseException:  # the thread itself is going down: say so, then go
-                self._deliver(request, EngineStopped("the engine stopped while serving this request"))
+                self._fail(request, EngineStopped("the engine stopped while serving this request"))
                 raise
             finally:
+                self._kv_blocks = self._engine.kv_blocks()  # its blocks are back in the pool
                 with self._lock:
                     if request.state == "running":
                         request.state = "finished"
@@ -263,7 +314,7 @@ class AsyncEngine:
         self.metrics.prompt_tokens.inc(len(request.prompt_ids))
         last_token_time = request.arrival_time
         # closing(): leaving early (an abort) closes the generator at once, so its blocks return now.
-        with closing(self.engine.generate(request.request_id, request.prompt_ids, request.params)) as outputs:
+        with closing(self._engine.generate(request.request_id, request.prompt_ids, request.params)) as outputs:
             for output in outputs:
                 now = time.perf_counter()
                 if output.completion_tokens == 1:
@@ -271,15 +322,19 @@ class AsyncEngine:
                 else:
                     self.metrics.itl.observe(now - last_token_time)
                 last_token_time = now
-                self.metrics.generation_tokens.inc()
+                self.metrics.generation_tokens.inc(len(output.token_ids))
+                self._kv_blocks = self._engine.kv_blocks()
                 self._deliver(request, output)
                 if request.state == "aborted":
                     return  # leaving the ``with`` closes the generator, which frees the blocks
 
+    def _fail(self, request: Request, error: Exception) -> None:
+        self._deliver(request, RequestOutput.failed(request.request_id, error, len(request.prompt_ids)))
+
     @staticmethod
-    def _deliver(request: Request, item: RequestOutput | Exception) -> None:
-        """Hand an item to the request's asyncio queue from this (non-asyncio) thread."""
+    def _deliver(request: Request, output: RequestOutput) -> None:
+        """Hand an output to the request's asyncio queue from this (non-asyncio) thread."""
         try:
-            request.loop.call_soon_threadsafe(request.outputs.put_nowait, item)
+            request.loop.call_soon_threadsafe(request.outputs.put_nowait, output)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             request.state = "aborted"

@@ -91,9 +91,11 @@ def apply_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     # logits: [V]
     if top_k <= 0 or top_k >= logits.shape[-1]:
         return logits
+    ### BEGIN SOLUTION 1.1
     best = torch.topk(logits, top_k)
     # Scatter (not a `logits < kth` threshold) so that ties at the k-th value keep exactly k tokens.
     return torch.full_like(logits, float("-inf")).scatter(-1, best.indices, best.values)
+    ### END SOLUTION
 
 
 def apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -101,6 +103,7 @@ def apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     # logits: [V]
     if top_p >= 1.0:
         return logits
+    ### BEGIN SOLUTION 1.2
     sorted_logits, order = torch.sort(logits, descending=True)
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
     # A token is dropped when the tokens ranked above it already reach top_p; the best always stays.
@@ -109,6 +112,7 @@ def apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     drop_sorted[0] = False  # explicitly: rounding can leave the first mass_before a hair above 0
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
+    ### END SOLUTION
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -139,10 +143,12 @@ def compute_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list
     holds the logits that predicted prompt token i + 1).
     """
     # logits: [N, V] raw, as the model computed them
+    ### BEGIN SOLUTION 2.5
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
     ids = torch.tensor(token_ids, dtype=torch.int64, device=logits.device)  # [N]
     chosen = logprobs.gather(-1, ids[:, None])[:, 0]  # [N]
     top_values, top_ids = torch.topk(logprobs, k, dim=-1)  # [N, k], sorted best first
+    ### END SOLUTION
     return [
         TokenLogprobs(token_id, logprob, list(zip(ids, values, strict=True)))
         for token_id, logprob, ids, values in zip(token_ids, chosen.tolist(), top_ids.tolist(), top_values.tolist(),

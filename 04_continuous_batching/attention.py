@@ -7,12 +7,17 @@ sequence's tokens are scattered over the blocks its *block table* lists::
     token position p of a sequence  ->  block  block_table[p // block_size],  offset  p % block_size
     its cache slot (a row of the pool viewed as [num_blocks * block_size, ...]) = block * block_size + offset
 
-Attention therefore does three things:
+Every step has one shape, *extend*: each sequence adds ``query_len`` new tokens to the
+``seq_len - query_len`` it already has in the cache. A prompt's prefill is (0 cached, n new), a decode
+step (L, 1); later stages add a prefix-cache hit (h, n - h), a prefill chunk (c, m) and a speculative
+check (L, k + 1), all without a new kind of attention. Attention therefore does three things:
 
-1. ``write_kv``: store this step's new K and V in their slots (the *slot mapping* lists them).
-2. Prefill: a prompt's tokens attend causally to each other. They were all computed in this very
-   step, so the reference reads them straight from ``k`` and ``v`` instead of from the pool.
-3. Decode: each sequence's one new query attends to every cached token, found through its block table.
+1. ``write_kv``: store this step's new K and V in their slots (the *slot mapping* lists them; a slot
+   of -1 means "write nothing", for rows that are only padding).
+2. Extend: each new token attends causally to its sequence's cache, which now holds the tokens of
+   earlier steps and of this one, read through the block table.
+3. Decode, the most common case (every sequence adds one token): one query per sequence attends
+   to all of its cached tokens. It is extend with ``query_len == 1``, done by a kernel made for it.
 
 The PyTorch functions here are the reference: short, obviously right, and fast enough on a CPU.
 ``triton_attention.py`` has the same three functions as Triton kernels; ``paged_attention`` picks
@@ -29,22 +34,18 @@ import torch
 
 @dataclass
 class AttentionMetadata:
-    """What attention needs to know about one step, besides the tensors of the step's tokens.
+    """What one step's attention needs to know, besides the tensors of the step's tokens.
 
-    A step is either a prefill (whole prompts) or a decode (one new token per sequence). Sequences
-    are laid end to end: the step's T tokens are ragged, not padded to the longest.
+    The B sequences' new tokens are laid end to end, T in all, not padded to the longest.
     """
 
-    is_prefill: bool
-    slot_mapping: torch.Tensor  # [T] int64: the cache slot each new token's K/V goes to
+    slot_mapping: torch.Tensor  # [T] int64: the cache slot each new token's K/V goes to (-1: nowhere)
+    query_start_loc: torch.Tensor  # [B + 1] int32: where each sequence's new tokens start in the step's T
+    query_lens: torch.Tensor  # [B] int32: new tokens per sequence
+    seq_lens: torch.Tensor  # [B] int32: cached + new, the tokens each sequence's queries can see
     block_tables: torch.Tensor  # [B, max_blocks] int32: each sequence's blocks, padded with 0
-    context_lens: torch.Tensor  # [B] int32: tokens in the cache after this step, per sequence
-    cu_seqlens: torch.Tensor  # [B + 1] int32: where each sequence's tokens start in the step's T
-    max_seqlen: int  # the longest sequence's new tokens in this step (1 when decoding)
-
-    @property
-    def num_seqs(self) -> int:
-        return self.context_lens.shape[0]
+    max_query_len: int  # the most new tokens of any sequence (1: every sequence decodes one token)
+    logits_indices: torch.Tensor  # [N] int64: the rows of T whose logits the step needs
 
 
 def use_triton(device: torch.device) -> bool:
@@ -60,27 +61,12 @@ def use_triton(device: torch.device) -> bool:
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store each new token's key and value in its cache slot."""
+    """Store each new token's key and value in its cache slot; a slot of -1 stores nothing."""
     # k, v: [T, Hkv, D]; k_cache, v_cache: [N, S, Hkv, D] (N blocks of S slots); slot_mapping: [T]
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slot_mapping] = k
-    v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slot_mapping] = v
-
-
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                      scale: float) -> torch.Tensor:
-    """Causal attention within each prompt of a ragged batch; prompts never see each other."""
-    # q: [T, H, D]; k, v: [T, Hkv, D]; cu_seqlens: [B + 1] -> out: [T, H, D]
-    out = torch.empty_like(q)
-    group = q.shape[1] // k.shape[1]  # query heads per KV head (grouped-query attention)
-    bounds = cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-        qs = q[start:end].transpose(0, 1)  # [H, L, D]
-        ks = k[start:end].transpose(0, 1).repeat_interleave(group, dim=0)  # [H, L, D]
-        vs = v[start:end].transpose(0, 1).repeat_interleave(group, dim=0)
-        o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
-        out[start:end] = o.transpose(0, 1)
-    return out
+    real = slot_mapping >= 0  # [T]: -1 marks a padding row, which must never land in a real block
+    k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slot_mapping[real]] = k[real]
+    v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slot_mapping[real]] = v[real]
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -95,21 +81,41 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_tables: torch.Tensor, context_lens: torch.Tensor,
+                               block_tables: torch.Tensor, seq_lens: torch.Tensor,
                                scale: float) -> torch.Tensor:
     """Each sequence's single query attends to all of its cached tokens (its own new one included).
 
     The whole batch at once: gather every sequence's keys and values into a padded [B, L] layout,
     then one masked attention. No Python loop over the sequences."""
-    # q: [B, H, D]; caches: [N, S, Hkv, D]; block_tables: [B, max_blocks]; context_lens: [B] -> [B, H, D]
+    # q: [B, H, D]; caches: [N, S, Hkv, D]; block_tables: [B, max_blocks]; seq_lens: [B] -> [B, H, D]
     keys = gather_kv(k_cache, block_tables).transpose(1, 2)  # [B, Hkv, L, D]
     values = gather_kv(v_cache, block_tables).transpose(1, 2)
     positions = torch.arange(keys.shape[2], device=q.device)
-    visible = positions[None, :] < context_lens[:, None]  # [B, L]: False on padding
+    visible = positions[None, :] < seq_lens[:, None]  # [B, L]: False on padding
     out = torch.nn.functional.scaled_dot_product_attention(
         q[:, :, None, :], keys, values, attn_mask=visible[:, None, None, :], scale=scale,
         enable_gqa=True)  # [B, H, 1, D]: each KV head serves its group of query heads
     return out[:, :, 0]
+
+
+def extend_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Each sequence's new tokens attend causally to its whole cache: what earlier steps stored and
+    what this step just wrote. New token i of a sequence sits at position seq_len - query_len + i and
+    sees every position up to its own."""
+    # q: [T, H, D]; caches: [N, S, Hkv, D] -> out: [T, H, D]
+    out = torch.empty_like(q)
+    starts, seq_lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
+    for i, seq_len in enumerate(seq_lens):
+        start, end = starts[i], starts[i + 1]
+        keys = gather_kv(k_cache, meta.block_tables[i : i + 1])[0, :seq_len].transpose(0, 1)  # [Hkv, L, D]
+        values = gather_kv(v_cache, meta.block_tables[i : i + 1])[0, :seq_len].transpose(0, 1)
+        query_positions = torch.arange(seq_len - (end - start), seq_len, device=q.device)  # [n]
+        visible = torch.arange(seq_len, device=q.device)[None, :] <= query_positions[:, None]  # [n, L]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1), keys, values, attn_mask=visible, scale=scale, enable_gqa=True)
+        out[start:end] = o.transpose(0, 1)  # [n, H, D]
+    return out
 
 
 # --- the one entry point the model calls ------------------------------------------------------------
@@ -117,16 +123,18 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Write this step's K/V into the pool, then attend: prefill or decode, PyTorch or Triton."""
+    """Write this step's K/V into the pool, then attend: extend or decode, PyTorch or Triton."""
     # q: [T, H, D]; k, v: [T, Hkv, D]; caches: [N, S, Hkv, D] -> out: [T, H, D]
+    decode = meta.max_query_len == 1  # one new token per sequence: T == B
     if use_triton(q.device):
         from . import triton_attention as impl  # imported only where it runs: triton needs a GPU or the interpreter
 
         impl.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if meta.is_prefill:
-            return impl.prefill_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, scale)
-        return impl.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        if decode:
+            return impl.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+        return impl.extend_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                     meta.max_query_len, scale)
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    if meta.is_prefill:
-        return prefill_attention(q, k, v, meta.cu_seqlens, scale)
-    return decode_attention_reference(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+    if decode:
+        return decode_attention_reference(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+    return extend_attention_reference(q, k_cache, v_cache, meta, scale)

@@ -46,11 +46,13 @@ class BlockManager:
 
         All or nothing: if the pool cannot cover the growth, raise NoFreeBlocks and take no block.
         """
+        ### BEGIN SOLUTION 3.1
         missing = self.blocks_needed(num_tokens) - len(block_table)
         if missing > self.num_free:
             raise NoFreeBlocks(f"{missing} more blocks needed, {self.num_free} free")
         for _ in range(missing):
             block_table.append(self.free_blocks.popleft())
+        ### END SOLUTION
 
     def free(self, block_table: list[int]) -> None:
         """Give every block of a finished (or aborted) sequence back to the pool."""
@@ -60,4 +62,6 @@ class BlockManager:
 
     def slot_mapping(self, block_table: list[int], start: int, end: int) -> list[int]:
         """The cache slot of each token position in ``[start, end)``: block id * block_size + offset."""
+        ### BEGIN SOLUTION 3.2
         return [block_table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end)]
+        ### END SOLUTION

@@ -17,12 +17,15 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
+from dataclasses import dataclass
 
-import torch
 from transformers import AutoTokenizer
 
+from common.device import pick_device, pick_dtype
+from common.weights import resolve_model
+
 from .block_manager import BlockManager
+from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache import KVCache, budget_bytes
 from .metrics import Metrics
@@ -33,27 +36,39 @@ from .scheduler import Scheduler
 from .sequence import Request, RequestOutput, Sequence
 
 
-def pick_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+class InvalidRequest(ValueError):
+    """The engine cannot take this request (token ids outside the vocabulary, too long): a 400."""
 
 
-def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """float32 on CPU (exact, and fast enough for a 135M model); bfloat16 on CUDA."""
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, dtype)
+class EngineStopped(RuntimeError):
+    """The engine thread has exited: nothing it held or was sent will ever be served."""
+
+
+@dataclass(frozen=True)
+class KVBlockStats:
+    total: int
+    used: int
+    free: int
+    block_size: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's load at one moment, taken on the engine thread (``/health`` and ``/metrics`` read it)."""
+
+    running: int
+    waiting: int
+    kv_blocks: KVBlockStats
 
 
 class Engine:
     """One model, one KV-cache pool, and a scheduler that batches every request it holds."""
 
-    def __init__(self, model_dir: Path, device: str = "auto", dtype: str = "auto", kv_cache_mb: int = 512,
-                 block_size: int = 16, gpu_memory_utilization: float = 0.9, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 4096) -> None:
-        self.device = pick_device(device)
-        self.dtype = pick_dtype(dtype, self.device)
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, self.device)
+        model_dir = resolve_model(config.model)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         self.model = LlamaForCausalLM.from_pretrained(model_dir, dtype=self.dtype, device=self.device)
         self.max_model_len: int = self.model.config.max_position_embeddings
@@ -61,11 +76,11 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         # The pool is allocated after the weights, so that on CUDA it takes a share of what they left.
-        shape = self.model.config.cache_shape(block_size, self.dtype)
-        budget = budget_bytes(self.device, kv_cache_mb, gpu_memory_utilization)
+        shape = self.model.config.cache_shape(config.block_size, self.dtype)
+        budget = budget_bytes(self.device, config.kv_cache_mb, config.gpu_memory_utilization)
         self.kv_cache = KVCache.allocate(shape, budget, self.device)
-        self.block_manager = BlockManager(self.kv_cache.num_blocks, block_size)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
+        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device)
         self.sequences: dict[str, Sequence] = {}  # every unfinished request, by id
 
@@ -73,6 +88,11 @@ class Engine:
     def kv_capacity_tokens(self) -> int:
         """Tokens the whole pool can hold: the most any one sequence can ever reach."""
         return self.block_manager.num_blocks * self.block_manager.block_size
+
+    def stats(self) -> EngineStats:
+        blocks = self.block_manager
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
+                           KVBlockStats(blocks.num_blocks, blocks.num_used, blocks.num_free, blocks.block_size))
 
     # --- text <-> token ids ---------------------------------------------------------------
     def encode(self, prompt: str) -> list[int]:
@@ -84,26 +104,40 @@ class Engine:
         return self.tokenizer(text, add_special_tokens=False).input_ids  # the template has them
 
     # --- requests in and out --------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
-        """Queue a request; it joins the batch at a coming step."""
-        assert request_id not in self.sequences, f"duplicate request id {request_id}"
-        # A sequence that outgrew the whole pool could never run, even alone (the server refuses it).
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Refuse what would break the engine, whoever calls it: the server checks too, but on CUDA an
+        index out of range is a device-side assert that takes every later batch down with it."""
+        vocab_size = self.model.config.vocab_size
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty")
+        if bad := [i for i in [*prompt_ids, *params.logit_bias] if not 0 <= i < vocab_size]:
+            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequest(f"{len(prompt_ids)} prompt + {params.max_tokens} new tokens exceed the context "
+                                 f"length of {self.max_model_len}")
+        # A sequence that outgrew the whole pool could never run, even alone.
         if len(prompt_ids) + params.max_tokens > self.kv_capacity_tokens:
-            raise ValueError(f"{len(prompt_ids)} prompt + {params.max_tokens} new tokens exceed the "
-                             f"{self.kv_capacity_tokens} tokens of the KV cache")
+            raise InvalidRequest(f"{len(prompt_ids)} prompt + {params.max_tokens} new tokens exceed the "
+                                 f"{self.kv_capacity_tokens} tokens of the KV cache")
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; it joins the batch at a coming step. Raises InvalidRequest if it cannot run."""
+        assert request_id not in self.sequences, f"duplicate request id {request_id}"
+        self.check_request(prompt_ids, params)
         seq = Sequence(request_id, list(prompt_ids), params, make_generator(params.seed, self.device),
                        IncrementalDetokenizer(self.tokenizer, params.stop))
-        if arrival_time is not None:
-            seq.arrival_time = arrival_time
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:
         """Drop a request wherever it is (its client left); its blocks return to the pool now."""
-        seq = self.sequences.pop(request_id, None)
-        if seq is not None:
-            self.scheduler.finish(seq)
+        if (seq := self.sequences.get(request_id)) is not None:
+            self._finish(seq)
+
+    def _finish(self, seq: Sequence) -> None:
+        """A sequence is done (finished, failed or dropped): it leaves the engine, its blocks return."""
+        del self.sequences[seq.request_id]
+        self.scheduler.finish(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -115,22 +149,25 @@ class Engine:
         if not batch.seqs:
             return []
         try:
-            logits, prompt_logits = self.runner.run(batch)  # [B, V], and [n - 1, V] for prompts to score
+            step = self.runner.prepare(batch)
+            logits, prompt_logits = self.runner.execute(step)  # [B, V], and [M, V] for prompts to score
+            for seq in batch.seqs:
+                seq.num_computed_tokens = seq.num_tokens  # the cache now holds every token it has
             params = [seq.params for seq in batch.seqs]
             token_ids = sample(logits, params, [seq.generator for seq in batch.seqs],
                                [seq.output_ids for seq in batch.seqs])
             logprobs = compute_logprobs(logits, token_ids, [p.logprobs for p in params])  # None for rows not asking
+            scored = prompt_logits.split(step.num_prompt_logits) if prompt_logits is not None else None
         except Exception as exc:  # one pass for the whole batch: all of it fails (their caches are half written)
             return [self._fail(seq, exc) for seq in batch.seqs]
         outputs = []
-        for seq, token_id, token_logprobs in zip(batch.seqs, token_ids, logprobs, strict=True):
+        for i, seq in enumerate(batch.seqs):
             try:
                 prompt_logprobs = None
-                if seq.request_id in prompt_logits:
-                    n = len(seq.prompt_ids)
-                    prompt_logprobs = compute_logprobs(prompt_logits[seq.request_id], seq.prompt_ids[1:],
-                                                       [seq.params.prompt_logprobs] * (n - 1))
-                outputs.append(self._append(seq, token_id, token_logprobs, prompt_logprobs))
+                if scored is not None and step.num_prompt_logits[i]:
+                    ks = [seq.params.prompt_logprobs] * step.num_prompt_logits[i]
+                    prompt_logprobs = compute_logprobs(scored[i], seq.prompt_ids[1:], ks)
+                outputs.append(self._append(seq, token_ids[i], logprobs[i], prompt_logprobs))
             except Exception as exc:  # this sequence's own work (its text, its stop strings): only it fails
                 outputs.append(self._fail(seq, exc))
         return outputs
@@ -139,7 +176,7 @@ class Engine:
                 prompt_logprobs: list[TokenLogprobs] | None) -> RequestOutput:
         """Add a sampled token to its sequence, decide whether the sequence is done, and free it if so."""
         if seq.params.max_tokens == 0:  # only the prompt was to be scored (echo): the token is not used
-            self.abort(seq.request_id)
+            self._finish(seq)
             return RequestOutput(seq.request_id, [], "", "length", len(seq.prompt_ids), 0, [], prompt_logprobs)
         seq.output_ids.append(token_id)
         finish_reason = None
@@ -152,14 +189,14 @@ class Engine:
             elif len(seq.output_ids) == seq.params.max_tokens:
                 text, finish_reason = text + seq.detokenizer.flush(), "length"
         if finish_reason is not None:
-            self.abort(seq.request_id)  # leaves the batch and frees its blocks at once
+            self._finish(seq)  # leaves the batch and frees its blocks at once
         return RequestOutput(seq.request_id, [token_id], text, finish_reason, len(seq.prompt_ids),
                              len(seq.output_ids), None if logprobs is None else [logprobs], prompt_logprobs)
 
     def _fail(self, seq: Sequence, error: Exception) -> RequestOutput:
         """End a sequence with an error: it leaves the batch, its blocks return, its client is told."""
-        self.abort(seq.request_id)
-        return RequestOutput(seq.request_id, [], "", "error", len(seq.prompt_ids), len(seq.output_ids), error=error)
+        self._finish(seq)
+        return RequestOutput.failed(seq.request_id, error, len(seq.prompt_ids), len(seq.output_ids))
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Offline use (the demo, the tests): run every prompt to the end, all batched; their output ids."""
@@ -176,25 +213,46 @@ class Engine:
         return list(outputs.values())
 
 
-class EngineStopped(RuntimeError):
-    """The engine thread has exited: nothing it held or was sent will ever be served."""
+# --- what the HTTP side sends the engine thread ------------------------------------------------------
+
+
+@dataclass
+class AddRequest:
+    request: Request
+
+
+@dataclass
+class AbortRequest:
+    request_id: str  # its client left
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+InboxMessage = AddRequest | AbortRequest | Shutdown
 
 
 class AsyncEngine:
     """Runs the engine's step loop on its own thread and bridges it to asyncio.
 
     The HTTP side never touches the engine: ``generate`` puts the request in an inbox and reads
-    tokens from the request's own asyncio queue. The thread takes everything from the inbox
-    (new requests, aborts) between two steps, so the engine is only ever used by one thread.
+    outputs from the request's own asyncio queue, and ``stats()`` returns the snapshot the thread
+    took after its last step. The thread takes everything from the inbox (new requests, aborts)
+    between two steps, so the engine is only ever used by one thread.
     """
 
     def __init__(self, engine: Engine, metrics: Metrics | None = None) -> None:
-        self.engine = engine
+        self._engine = engine
+        # What the server may read from any thread: fixed at start-up.
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.kv_capacity_tokens = engine.kv_capacity_tokens
         self.metrics = metrics or Metrics()
-        self.metrics.watch_kv_blocks(engine.block_manager)
-        self.metrics.watch_scheduler(engine.scheduler)
-        # ("add", Request) or ("abort", request id); None asks the thread to exit.
-        self._inbox: queue.Queue[tuple[str, Request | str] | None] = queue.Queue()
+        self._stats = engine.stats()  # replaced (never modified) by the engine thread
+        self.metrics.watch(self.stats)
+        self._inbox: queue.Queue[InboxMessage] = queue.Queue()
         self._requests: dict[str, Request] = {}  # owned by the engine thread
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._lock = threading.Lock()  # so that no request slips into the inbox after the thread's last look
@@ -206,38 +264,49 @@ class AsyncEngine:
         self._thread.start()
 
     def stop(self) -> None:
-        self._inbox.put(None)
+        self._inbox.put(Shutdown())
         self._thread.join(timeout=10)
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def encode(self, prompt: str) -> list[int]:
+        return self._engine.encode(prompt)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        return self._engine.encode_chat(messages)
+
     # --- the HTTP side (asyncio) ----------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs as the engine thread produces them.
 
-        If the consumer stops early (the client disconnected, the task was cancelled), the
-        ``finally`` asks the engine thread to abort the request, which frees its blocks.
+        A failure arrives as an output with ``error`` set (the last one). If the consumer stops
+        early (the client disconnected, the task was cancelled), the ``finally`` asks the engine
+        thread to drop the request, which frees its blocks.
         """
         self._next_id += 1
         request = Request(f"req-{self._next_id}", prompt_ids, params, loop=asyncio.get_running_loop())
         with self._lock:
-            if self._stopped:
-                raise EngineStopped("the engine has stopped; the server must be restarted")
-            self._inbox.put(("add", request))
+            stopped = self._stopped
+            if not stopped:
+                self._inbox.put(AddRequest(request))
+        if stopped:
+            yield RequestOutput.failed(request.request_id, EngineStopped("the engine has stopped"), len(prompt_ids))
+            return
         try:
             while True:
                 output = await request.outputs.get()
-                if isinstance(output, Exception):
-                    raise output
                 yield output
                 if output.finished:
                     request.finished = True
                     return
         finally:
             if not request.finished:
-                self._inbox.put(("abort", request.request_id))
+                self._inbox.put(AbortRequest(request.request_id))
 
     # --- the engine thread ----------------------------------------------------------------
     def _run(self) -> None:
@@ -248,54 +317,57 @@ class AsyncEngine:
                 self._stopped = True
             stopped = EngineStopped("the engine stopped before this request finished")
             for request_id, request in self._requests.items():
-                self.engine.abort(request_id)  # its blocks go back to the pool
-                self._deliver(request, stopped)
+                self._engine.abort(request_id)  # its blocks go back to the pool
+                self._deliver(request, RequestOutput.failed(request_id, stopped, len(request.prompt_ids)))
             self._requests.clear()
             while not self._inbox.empty():
-                if (item := self._inbox.get()) is not None and item[0] == "add":
-                    self._deliver(item[1], stopped)
+                if isinstance(message := self._inbox.get(), AddRequest):
+                    request = message.request
+                    self._deliver(request, RequestOutput.failed(request.request_id, stopped, len(request.prompt_ids)))
+            self._stats = self._engine.stats()
 
     def _step_loop(self) -> None:
         while True:
             # Idle: sleep until something arrives. Busy: take what has arrived, without waiting.
-            if not self._drain_inbox(block=not self.engine.has_unfinished()):
+            if not self._drain_inbox(block=not self._engine.has_unfinished()):
                 return
-            outputs = self.engine.step()
-            self.metrics.preemptions.inc(self.engine.scheduler.num_preemptions - self._preemptions_seen)
-            self._preemptions_seen = self.engine.scheduler.num_preemptions
+            outputs = self._engine.step()
+            self._stats = self._engine.stats()
+            scheduler = self._engine.scheduler
+            self.metrics.preemptions.inc(scheduler.num_preemptions - self._preemptions_seen)
+            self._preemptions_seen = scheduler.num_preemptions
             now = time.perf_counter()
             for output in outputs:
                 request = self._requests[output.request_id]
                 if output.finished:
                     del self._requests[output.request_id]
-                if output.error is not None:
-                    self._deliver(request, output.error)
-                    continue
-                self._record(request, output, now)
+                if output.error is None:
+                    self._record(request, output, now)
                 self._deliver(request, output)
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply every queued add and abort; False when asked to stop."""
         while True:
             try:
-                item = self._inbox.get(block=block)
+                message = self._inbox.get(block=block)
             except queue.Empty:
-                return True
-            if item is None:
+                break
+            if isinstance(message, Shutdown):
                 return False
-            kind, payload = item
-            if kind == "add":
-                self._add(payload)
-            elif payload in self._requests:  # an abort of a request that has not finished yet
-                del self._requests[payload]
-                self.engine.abort(payload)
-            block = False  # after the first item, take only what is already there
+            if isinstance(message, AddRequest):
+                self._add(message.request)
+            elif message.request_id in self._requests:  # an abort of a request that has not finished yet
+                del self._requests[message.request_id]
+                self._engine.abort(message.request_id)
+            block = False  # after the first message, take only what is already there
+        self._stats = self._engine.stats()
+        return True
 
     def _add(self, request: Request) -> None:
         try:
-            self.engine.add_request(request.request_id, request.prompt_ids, request.params, request.arrival_time)
-        except ValueError as exc:
-            self._deliver(request, exc)
+            self._engine.add_request(request.request_id, request.prompt_ids, request.params)
+        except InvalidRequest as exc:
+            self._deliver(request, RequestOutput.failed(request.request_id, exc, len(request.prompt_ids)))
             return
         self._requests[request.request_id] = request
         self.metrics.prompt_tokens.inc(len(request.prompt_ids))
@@ -306,12 +378,12 @@ class AsyncEngine:
         else:
             self.metrics.itl.observe(now - request.last_token_time)
         request.last_token_time = now
-        self.metrics.generation_tokens.inc()
+        self.metrics.generation_tokens.inc(len(output.token_ids))
 
     @staticmethod
-    def _deliver(request: Request, item: RequestOutput | Exception) -> None:
-        """Hand an item to the request's asyncio queue from this (non-asyncio) thread."""
+    def _deliver(request: Request, output: RequestOutput) -> None:
+        """Hand an output to the request's asyncio queue from this (non-asyncio) thread."""
         try:
-            request.loop.call_soon_threadsafe(request.outputs.put_nowait, item)
+            request.loop.call_soon_threadsafe(request.outputs.put_nowait, output)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass

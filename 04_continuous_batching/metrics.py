@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 if TYPE_CHECKING:
-    from .block_manager import BlockManager
-    from .scheduler import Scheduler
+    from .engine import EngineStats
 
 disable_created_metrics()  # no *_created series: they only add noise to a course server's output
 
@@ -34,15 +34,12 @@ class Metrics:
         self.kv_blocks_used = Gauge("llm_kv_blocks_used", "KV-cache blocks held by sequences.", registry=r)
         self.kv_blocks_free = Gauge("llm_kv_blocks_free", "KV-cache blocks on the free list.", registry=r)
 
-    def watch_kv_blocks(self, blocks: BlockManager) -> None:
-        """Read the block counts when /metrics is scraped, so they are never stale."""
-        self.kv_blocks_used.set_function(lambda: blocks.num_used)
-        self.kv_blocks_free.set_function(lambda: blocks.num_free)
-
-    def watch_scheduler(self, scheduler: Scheduler) -> None:
-        """Read the queue lengths from the scheduler when /metrics is scraped."""
-        self.running.set_function(lambda: len(scheduler.running))
-        self.waiting.set_function(lambda: len(scheduler.waiting))
+    def watch(self, stats: Callable[[], EngineStats]) -> None:
+        """Read the queue lengths and block counts when /metrics is scraped, from the engine's last snapshot."""
+        self.running.set_function(lambda: stats().running)
+        self.waiting.set_function(lambda: stats().waiting)
+        self.kv_blocks_used.set_function(lambda: stats().kv_blocks.used)
+        self.kv_blocks_free.set_function(lambda: stats().kv_blocks.free)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -36,7 +36,7 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         """Tokens in the forward pass: whole prompts when prefilling, one per sequence when decoding."""
-        return sum(seq.num_tokens for seq in self.seqs) if self.is_prefill else len(self.seqs)
+        return sum(seq.num_new_tokens for seq in self.seqs)
 
 
 class Scheduler:
@@ -112,14 +112,14 @@ class Scheduler:
         """Take every block back from a running sequence and queue it, first in line, to be recomputed."""
         self.running.remove(seq)
         self.block_manager.free(seq.block_table)
+        seq.num_computed_tokens = 0  # its cache is gone: prompt and output will be prefilled again
         seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     # --- leaving ----------------------------------------------------------------------------
     def finish(self, seq: Sequence) -> None:
-        """A sequence is done (or aborted): it leaves whichever queue it is in and frees its blocks."""
+        """A sequence is done (finished, failed, or its client left): it leaves its queue and frees its blocks."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:

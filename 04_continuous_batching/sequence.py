@@ -33,11 +33,16 @@ class RequestOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @classmethod
+    def failed(cls, request_id: str, error: Exception, prompt_tokens: int, completion_tokens: int = 0) -> RequestOutput:
+        """The last output of a request that failed: the server turns ``error`` into an HTTP status."""
+        return cls(request_id, [], "", "error", prompt_tokens, completion_tokens, error=error)
+
 
 class SequenceStatus(Enum):
     WAITING = "waiting"  # in the scheduler's queue: new, or preempted and waiting to be recomputed
     RUNNING = "running"  # holds blocks; decoded at every step
-    FINISHED = "finished"  # done or aborted; holds nothing
+    FINISHED = "finished"  # done, failed, or dropped because its client left; holds nothing
 
 
 @dataclass
@@ -49,11 +54,10 @@ class Sequence:
     params: SamplingParams
     generator: torch.Generator  # this request's own random stream (seeded or not)
     detokenizer: IncrementalDetokenizer
-    arrival_time: float = field(default_factory=time.perf_counter)
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache (back to 0 when preempted)
     status: SequenceStatus = SequenceStatus.WAITING
-    num_preemptions: int = 0
 
     @property
     def token_ids(self) -> list[int]:
@@ -74,6 +78,11 @@ class Sequence:
         """Prompt plus output. While running, the cache holds all but the last: the next step runs it."""
         return len(self.prompt_ids) + len(self.output_ids)
 
+    @property
+    def num_new_tokens(self) -> int:
+        """What the next step runs for this sequence: a whole prompt (0 cached), or one token (decode)."""
+        return self.num_tokens - self.num_computed_tokens
+
 
 @dataclass
 class Request:
@@ -83,7 +92,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
-    outputs: asyncio.Queue[RequestOutput | Exception] = field(default_factory=asyncio.Queue)
+    outputs: asyncio.Queue[RequestOutput] = field(default_factory=asyncio.Queue)
     arrival_time: float = field(default_factory=time.perf_counter)
     last_token_time: float = 0.0
     finished: bool = False

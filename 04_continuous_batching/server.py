@@ -12,6 +12,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
+from dataclasses import asdict
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -44,8 +45,9 @@ from common.protocol import (
     resolve_max_tokens,
 )
 
+from . import TITLE
 from .detokenizer import IncrementalDetokenizer
-from .engine import AsyncEngine, EngineStopped
+from .engine import AsyncEngine, EngineStopped, InvalidRequest
 from .sampler import SamplingParams
 from .sequence import RequestOutput
 
@@ -62,9 +64,8 @@ GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 def create_app(engine: AsyncEngine, model_name: str, limits: Limits | None = None) -> FastAPI:
-    tokenizer = engine.engine.tokenizer
-    max_model_len = engine.engine.max_model_len
-    blocks = engine.engine.block_manager
+    tokenizer = engine.tokenizer
+    max_model_len = engine.max_model_len
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -72,7 +73,7 @@ def create_app(engine: AsyncEngine, model_name: str, limits: Limits | None = Non
         yield
         engine.stop()
 
-    app = FastAPI(title="Stage 04: continuous batching", lifespan=lifespan)
+    app = FastAPI(title=TITLE, lifespan=lifespan)
     add_error_handlers(app)
     add_limits(app, limits or Limits())
 
@@ -107,7 +108,7 @@ def create_app(engine: AsyncEngine, model_name: str, limits: Limits | None = Non
         could never fit is refused now rather than failing halfway through its generation.
         """
         max_tokens = resolve_max_tokens(prompt_tokens, requested, max_model_len)
-        capacity = engine.engine.kv_capacity_tokens
+        capacity, block_size = engine.kv_capacity_tokens, engine.stats().kv_blocks.block_size
         if prompt_tokens + max_tokens <= capacity:
             return max_tokens
         if requested is None and prompt_tokens < capacity:
@@ -115,7 +116,7 @@ def create_app(engine: AsyncEngine, model_name: str, limits: Limits | None = Non
         raise APIError(
             f"the prompt has {prompt_tokens} tokens and the request may generate {max_tokens} more, "
             f"{prompt_tokens + max_tokens} in all, but the KV cache holds at most {capacity} tokens "
-            f"({blocks.num_blocks} blocks of {blocks.block_size}); start the server with a larger --kv-cache-mb",
+            f"({capacity // block_size} blocks of {block_size}); start the server with a larger --kv-cache-mb",
             param="max_tokens" if requested is not None else "prompt",
             code="kv_cache_too_small",
         )
@@ -133,7 +134,7 @@ def create_app(engine: AsyncEngine, model_name: str, limits: Limits | None = Non
     @app.post("/v1/completions", response_model=CompletionResponse, responses=GENERATION_RESPONSES)
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         if isinstance(req.prompt, str):
-            prompt_ids = engine.engine.encode(req.prompt)
+            prompt_ids = engine.encode(req.prompt)
         else:
             check_token_ids(req.prompt, len(tokenizer))
             prompt_ids = req.prompt
@@ -160,7 +161,7 @@ def create_app(engine: AsyncEngine, model_name: str, limits: Limits | None = Non
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=GENERATION_RESPONSES)
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
-        prompt_ids = engine.engine.encode_chat([{"role": m.role, "content": m.text()} for m in req.messages])
+        prompt_ids = engine.encode_chat([{"role": m.role, "content": m.text()} for m in req.messages])
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(req, prompt_ids, req.output_limit, logprobs)
         writer = AnswerWriter(decode, req.logprobs)
@@ -199,11 +200,7 @@ def create_app(engine: AsyncEngine, model_name: str, limits: Limits | None = Non
     async def health() -> JSONResponse:
         if not engine.alive:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
-        kv_blocks = {"total": blocks.num_blocks, "used": blocks.num_used, "free": blocks.num_free,
-                     "block_size": blocks.block_size}
-        scheduler = engine.engine.scheduler
-        return JSONResponse({"status": "ok", "running": len(scheduler.running), "waiting": len(scheduler.waiting),
-                             "kv_blocks": kv_blocks})
+        return JSONResponse({"status": "ok", **asdict(engine.stats())})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -219,6 +216,16 @@ def client_gone() -> Response:
 
 def usage_of(output: RequestOutput) -> Usage:
     return Usage.of(output.prompt_tokens, output.completion_tokens)
+
+
+def error_of(output: RequestOutput) -> APIError:
+    """The one place where an engine's error becomes an HTTP status (and the stream's error event)."""
+    error = output.error
+    if isinstance(error, EngineStopped):
+        return APIError(f"{type(error).__name__}: {error}; the server must be restarted", 503, code="engine_stopped")
+    if isinstance(error, InvalidRequest):
+        return APIError(str(error), 400)
+    return APIError(f"generation failed: {type(error).__name__}: {error}", 500)
 
 
 # --- streaming -------------------------------------------------------------------------------
@@ -246,11 +253,15 @@ def sse_response(
         # If the client disconnects, Starlette cancels this generator; closing ``outputs`` then
         # aborts the request on the engine thread (see AsyncEngine.generate).
         try:
+            ### BEGIN SOLUTION 2.4
             for item in first:
                 yield sse_event(item)
             step: list[RequestOutput] = []
             last = None
             async for output in outputs:
+                if output.error is not None:
+                    yield sse_event(error_of(output).body())  # the headers are sent: the error goes in the stream
+                    break
                 step.append(output)
                 last = output
                 # "" means held back: nothing new to say yet, so the output waits for the next chunk
@@ -258,10 +269,11 @@ def sse_response(
                 if output.text or output.finished:
                     yield sse_event(chunk(step))
                     step = []
-            if include_usage and last is not None:
+            if include_usage and last is not None and last.finished:
                 yield sse_event(chunk(None, usage=usage_of(last)))  # choices: [], usage: {...}
-        except Exception as exc:  # the headers are sent: report the error inside the stream
-            yield sse_event(APIError(f"generation failed: {type(exc).__name__}: {exc}", 500).body())
+            ### END SOLUTION
+        except Exception as exc:  # a bug of the server's own (the engine's errors are outputs, above)
+            yield sse_event(APIError(f"streaming failed: {type(exc).__name__}: {exc}", 500).body())
         finally:
             await outputs.aclose()
         yield "data: [DONE]\n\n"
@@ -270,9 +282,9 @@ def sse_response(
 
 
 async def collect(outputs: AsyncIterator[RequestOutput], raw: Request) -> list[RequestOutput] | None:
-    """Gather every output of a request, or None if the client disconnected first (the request is aborted).
+    """Gather every output of a request, or None if the client disconnected first (the request is dropped).
 
-    A failed generation becomes the error object: 503 if the engine has stopped, else 500."""
+    A failed request raises its error object (see ``error_of``)."""
 
     async def gather() -> list[RequestOutput]:
         everything = [output async for output in outputs]
@@ -290,12 +302,12 @@ async def collect(outputs: AsyncIterator[RequestOutput], raw: Request) -> list[R
     finally:
         watch.cancel()
         if not work.done():
-            work.cancel()  # raises inside ``outputs``, whose ``finally`` aborts the request
+            work.cancel()  # raises inside ``outputs``, whose ``finally`` drops the request
             with suppress(asyncio.CancelledError):
                 await work
     if work.cancelled():
         return None
-    if (error := work.exception()) is not None:
-        status = 503 if isinstance(error, EngineStopped) else 500
-        raise APIError(f"generation failed: {type(error).__name__}: {error}", status) from error
-    return work.result()
+    everything = work.result()
+    if everything[-1].error is not None:
+        raise error_of(everything[-1])
+    return everything

@@ -4,11 +4,12 @@ Same interface, same results (the tests compare them with the PyTorch reference 
 ``TRITON_INTERPRET=1``, which runs each kernel on the CPU one program at a time). What the kernels
 do that the reference does not:
 
-* ``write_kv``: one program per new token copies its K and V rows into their slots; no index tensor
-  of the whole pool is built.
-* ``prefill_attention``: flash attention over a ragged batch. A program owns BLOCK_M queries of one
-  prompt and one head, streams that prompt's keys in tiles of BLOCK_N and keeps a running
-  (max, sum) softmax, so the [L, L] score matrix never exists in memory.
+* ``write_kv``: one program per new token copies its K and V rows into their slots (none for slot
+  -1); no index tensor of the whole pool is built.
+* ``extend_attention``: flash attention over a ragged batch. A program owns BLOCK_M new queries of
+  one sequence and one head, streams that sequence's keys from the pool in tiles of BLOCK_N (each
+  key found through the block table: cached tokens and this step's alike) and keeps a running
+  (max, sum) softmax, the *online softmax*, so the [n, L] score matrix never exists in memory.
 * ``decode_attention``: one program per (sequence, KV head). It walks the sequence's block table one
   block at a time, and all query heads that share the KV head (grouped-query attention) are served
   from the same load of K and V.
@@ -37,16 +38,17 @@ def _is_power_of_two(n: int) -> bool:
 def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
                      ROW: tl.constexpr, ROW_PAD: tl.constexpr):
     token = tl.program_id(0)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    offs = tl.arange(0, ROW_PAD)  # one token's K (or V) for every KV head: Hkv * D numbers
-    mask = offs < ROW
-    tl.store(k_cache_ptr + slot * ROW + offs, tl.load(k_ptr + token * ROW + offs, mask=mask), mask=mask)
-    tl.store(v_cache_ptr + slot * ROW + offs, tl.load(v_ptr + token * ROW + offs, mask=mask), mask=mask)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)  # int64: slot * ROW can pass 2**31 in a large pool
+    if slot >= 0:  # slot -1: a padding row, written nowhere
+        offs = tl.arange(0, ROW_PAD)  # one token's K (or V) for every KV head: Hkv * D numbers
+        mask = offs < ROW
+        tl.store(k_cache_ptr + slot * ROW + offs, tl.load(k_ptr + token * ROW + offs, mask=mask), mask=mask)
+        tl.store(v_cache_ptr + slot * ROW + offs, tl.load(v_ptr + token * ROW + offs, mask=mask), mask=mask)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store each new token's key and value in its cache slot."""
+    """Store each new token's key and value in its cache slot; a slot of -1 stores nothing."""
     # k, v: [T, Hkv, D]; k_cache, v_cache: [N, S, Hkv, D] (contiguous); slot_mapping: [T]
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     num_tokens, num_kv_heads, head_dim = k.shape
@@ -55,40 +57,46 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                                     ROW=row, ROW_PAD=triton.next_power_of_2(row))
 
 
-# --- prefill: causal flash attention over ragged prompts ------------------------------------------------
+# --- extend: causal flash attention of each sequence's new tokens over its whole cache --------------------
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens_ptr, scale,
-                    stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
-                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+                   scale, stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     m_block, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start = tl.load(cu_seqlens_ptr + seq)
-    seqlen = tl.load(cu_seqlens_ptr + seq + 1) - start
-    if m_block * BLOCK_M >= seqlen:
-        return  # this prompt is shorter than the longest one in the step
+    q_start = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if m_block * BLOCK_M >= query_len:
+        return  # this sequence has fewer new tokens than the longest one in the step
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_cached = seq_len - query_len  # tokens of earlier steps: new token i sits at position num_cached + i
     kv_head = head // GROUP
-    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # query positions within the prompt
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # which of the sequence's new tokens
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
 
-    q_rows = (start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptr + q_rows, mask=(offs_m < seqlen)[:, None], other=0.0)  # [BLOCK_M, D]
+    q_rows = (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptr + q_rows, mask=(offs_m < query_len)[:, None], other=0.0)  # [BLOCK_M, D]
+    q_positions = num_cached + offs_m
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of each query's scores
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp(score - max)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)  # running sum of weights * values
     # Causal: keys past this tile's last query can be skipped entirely.
-    kv_end = tl.minimum((m_block + 1) * BLOCK_M, seqlen)
+    kv_end = tl.minimum(num_cached + (m_block + 1) * BLOCK_M, seq_len)
     for n_start in range(0, kv_end, BLOCK_N):
-        keys = n_start + offs_n
-        kv_rows = (start + keys)[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
-        kv_mask = (keys < seqlen)[:, None]
-        k = tl.load(k_ptr + kv_rows, mask=kv_mask, other=0.0)  # [BLOCK_N, D]
-        v = tl.load(v_ptr + kv_rows, mask=kv_mask, other=0.0)
+        keys = n_start + offs_n  # key positions in the sequence
+        in_seq = keys < seq_len
+        # The page table lookup, one per key: its block, then its slot in the block.
+        block = tl.load(block_tables_ptr + seq * stride_bt + keys // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
+        rows = block[:, None] * stride_cb + (keys % BLOCK_SIZE)[:, None] * stride_cs + kv_head * stride_ch \
+            + offs_d[None, :]
+        k = tl.load(k_cache_ptr + rows, mask=in_seq[:, None], other=0.0)  # [BLOCK_N, D]
+        v = tl.load(v_cache_ptr + rows, mask=in_seq[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N]
-        visible = (offs_m[:, None] >= keys[None, :]) & (keys < seqlen)[None, :]
+        visible = (q_positions[:, None] >= keys[None, :]) & in_seq[None, :]
         scores = tl.where(visible, scores, float("-inf"))
         # Online softmax: rescale what was summed so far to the new running max. Key 0 is visible
         # to every query, so after the first tile m_new is finite and no row divides by zero.
@@ -100,24 +108,28 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens_ptr, scale,
         m_i = m_new
 
     out = acc / l_i[:, None]
-    out_rows = (start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
-    tl.store(out_ptr + out_rows, out.to(out_ptr.dtype.element_ty), mask=(offs_m < seqlen)[:, None])
+    out_rows = (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+    tl.store(out_ptr + out_rows, out.to(out_ptr.dtype.element_ty), mask=(offs_m < query_len)[:, None])
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                      max_seqlen: int, scale: float) -> torch.Tensor:
-    """Causal attention within each prompt of a ragged batch; prompts never see each other."""
-    # q: [T, H, D]; k, v: [T, Hkv, D]; cu_seqlens: [B + 1] -> out: [T, H, D]
+def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                     seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int,
+                     scale: float) -> torch.Tensor:
+    """Each sequence's new tokens attend causally to its whole cache (earlier steps' and this step's)."""
+    # q: [T, H, D]; caches: [N, S, Hkv, D]; query_start_loc: [B + 1]; seq_lens: [B]; block_tables: [B, max_blocks]
     num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert _is_power_of_two(head_dim), f"the Triton kernels need a power-of-two head_dim, not {head_dim}"
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    assert _is_power_of_two(block_size) and k_cache.stride() == v_cache.stride()
+    q = q.contiguous()
     out = torch.empty_like(q)
     block = 16 if _interpreted() else 64  # the interpreter runs each program in numpy: keep tiles small
-    grid = (triton.cdiv(max_seqlen, block), cu_seqlens.shape[0] - 1, num_heads)
-    _prefill_kernel[grid](q, k, v, out, cu_seqlens, scale,
-                          q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1),
-                          GROUP=num_heads // k.shape[1], HEAD_DIM=head_dim, BLOCK_M=block, BLOCK_N=block,
-                          PRECISION=_dot_precision(q.dtype))
+    grid = (triton.cdiv(max_query_len, block), seq_lens.shape[0], num_heads)
+    _extend_kernel[grid](q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale,
+                         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                         block_tables.stride(0), out.stride(0), out.stride(1),
+                         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block,
+                         BLOCK_N=block, PRECISION=_dot_precision(q.dtype))
     return out
 
 
@@ -125,12 +137,12 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, context_lens_ptr, scale,
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, scale,
                    stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ob, stride_oh,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr):
     seq, kv_head = tl.program_id(0), tl.program_id(1)
-    context_len = tl.load(context_lens_ptr + seq)
+    seq_len = tl.load(seq_lens_ptr + seq)
     offs_g = tl.arange(0, GROUP_PAD)  # the query heads that share this KV head
     offs_s = tl.arange(0, BLOCK_SIZE)  # slots within one block
     offs_d = tl.arange(0, HEAD_DIM)
@@ -141,9 +153,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, c
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for j in range(0, tl.cdiv(context_len, BLOCK_SIZE)):
+    for j in range(0, tl.cdiv(seq_len, BLOCK_SIZE)):
         block = tl.load(block_tables_ptr + seq * stride_bt + j).to(tl.int64)  # the page table lookup
-        in_context = j * BLOCK_SIZE + offs_s < context_len  # the last block may be partly filled
+        in_context = j * BLOCK_SIZE + offs_s < seq_len  # the last block may be partly filled
         rows = block * stride_cb + offs_s[:, None] * stride_cs + kv_head * stride_ch + offs_d[None, :]
         k = tl.load(k_cache_ptr + rows, mask=in_context[:, None], other=0.0).to(tl.float32)  # [S, D]
         v = tl.load(v_cache_ptr + rows, mask=in_context[:, None], other=0.0).to(tl.float32)
@@ -163,9 +175,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, c
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """Each sequence's single query attends to all of its cached tokens (its own new one included)."""
-    # q: [B, H, D]; caches: [N, S, Hkv, D]; block_tables: [B, max_blocks]; context_lens: [B] -> [B, H, D]
+    # q: [B, H, D]; caches: [N, S, Hkv, D]; block_tables: [B, max_blocks]; seq_lens: [B] -> [B, H, D]
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert _is_power_of_two(head_dim) and _is_power_of_two(block_size) and block_size >= 16
@@ -173,7 +185,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
     _decode_kernel[(num_seqs, num_kv_heads)](
-        q, k_cache, v_cache, out, block_tables, context_lens, scale,
+        q, k_cache, v_cache, out, block_tables, seq_lens, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, BLOCK_SIZE=block_size)

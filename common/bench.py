@@ -97,19 +97,12 @@ def sweep_of(args: argparse.Namespace) -> Sweep:
 # --- where it runs -------------------------------------------------------------------------------
 
 
-def pick_device(device: str) -> str:
-    if device != "auto":
-        return device
-    import torch
+def device_and_dtype(device: str, dtype: str) -> tuple[str, str]:
+    """What ``--device`` and ``--dtype`` resolve to, by the stages' own rule (common/device.py), as names."""
+    from .device import pick_device, pick_dtype  # imports torch: only when a stage is benchmarked
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def pick_dtype(dtype: str, device: str) -> str:
-    """The stages' own rule for --dtype auto, written out so the result names the real dtype."""
-    if dtype != "auto":
-        return dtype
-    return "bfloat16" if device == "cuda" else "float32"
+    chosen = pick_device(device)
+    return chosen.type, str(pick_dtype(dtype, chosen)).removeprefix("torch.")
 
 
 def cpu_model() -> str:
@@ -267,9 +260,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     exit_on_sigterm()
     sweep = sweep_of(args)
-    device = pick_device(args.device)
+    device, stage_dtype = device_and_dtype(args.device, args.dtype)
     # With --url we cannot see the server's dtype: record it only if the user told us.
-    dtype = pick_dtype(args.dtype, device) if args.stage else (None if args.dtype == "auto" else args.dtype)
+    dtype = stage_dtype if args.stage else (None if args.dtype == "auto" else args.dtype)
     out_dir = args.out or (RESULTS / "quick" / device if args.quick else RESULTS / device)
     machine = machine_info(device)
     if (machine["load_average_1m"] or 0) > 1:

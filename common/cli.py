@@ -3,25 +3,43 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib
 import sys
 from pathlib import Path
+from typing import TypeVar
 
-from .weights import DEFAULT_MODEL, ModelNotFound, resolve_model
+from .weights import ModelNotFound, resolve_model
+
+Config = TypeVar("Config")
+
+# The choices of the flags every stage shares, for the EngineConfig fields that use them.
+DEVICES = ["auto", "cpu", "cuda"]
+DTYPES = ["auto", "float32", "bfloat16", "float16"]
 
 
-def stage_parser(prog: str, description: str, default_port: int) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=f"python -m {prog}", description=description)
+def stage_parser(package: str, config_type: type | None = None) -> argparse.ArgumentParser:
+    """The stage's command line: its title and port come from the package, its engine flags from the
+    fields of its ``EngineConfig`` (one flag per field, help from the field's metadata)."""
+    stage = importlib.import_module(package)
+    parser = argparse.ArgumentParser(prog=f"python -m {package}", description=stage.__doc__)
     parser.add_argument("--demo", action="store_true", help="run a few prompts in-process and print timings, no server")
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help=f"embedded model name or a local Hugging Face folder (default: {DEFAULT_MODEL})")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                        help="auto picks CUDA when present")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="auto is float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=default_port)
+    parser.add_argument("--port", type=int, default=stage.PORT)
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens per demo prompt")
+    for f in dataclasses.fields(config_type) if config_type else ():
+        default = f.default
+        help_text = f"{f.metadata['help']} (default: {default})"
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(default), default=default, help=help_text,
+                            choices=f.metadata.get("choices"))
     return parser
+
+
+def config_from_args(config_type: type[Config], args: argparse.Namespace) -> Config:
+    """The stage's ``EngineConfig`` from the parsed flags; ``--model`` resolved to a folder (or exit 2)."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(config_type)}
+    values["model"] = str(model_dir_or_exit(values["model"]))
+    return config_type(**values)
 
 
 def model_dir_or_exit(name_or_path: str) -> Path:

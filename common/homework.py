@@ -50,23 +50,32 @@ def stage_dir(stage: int, root: Path = REPO) -> Path:
     return matches[0].parent
 
 
-def stub_source(source: str, path: Path) -> tuple[str, list[str]]:
-    """Replace every solution region of one file with its stub; return the new source and the ids found."""
+def stub_source(source: str, path: Path, stage: int | None = None) -> tuple[str, list[str]]:
+    """Replace the solution regions of one file with their stubs; return the new source and the ids stubbed.
+
+    With ``stage``, only that stage's regions (ids ``stage.k``) become stubs. A file a stage copied
+    from an earlier one keeps that stage's markers, so that the copy stays byte-identical to its
+    original; in this stage's student copy those regions become plain code (the markers go, the
+    solution stays: it is an earlier stage's homework, done).
+    """
     out: list[str] = []
     ids: list[str] = []
     region: str | None = None
+    stubbed = False  # whether the open region is being replaced by its stub
     for number, line in enumerate(source.splitlines(keepends=True), start=1):
         if begin := BEGIN.match(line):
             if region is not None:
                 raise ValueError(f"{path}:{number}: BEGIN SOLUTION inside region {region}")
             region = begin["id"]
-            ids.append(region)
-            out.append(f'{begin["indent"]}raise NotImplementedError("Exercise {region}: see EXERCISES.md")\n')
+            stubbed = stage is None or int(region.split(".")[0]) == stage
+            if stubbed:
+                ids.append(region)
+                out.append(f'{begin["indent"]}raise NotImplementedError("Exercise {region}: see EXERCISES.md")\n')
         elif END.match(line):
             if region is None:
                 raise ValueError(f"{path}:{number}: END SOLUTION without BEGIN")
             region = None
-        elif region is None:
+        elif region is None or not stubbed:
             out.append(line)
     if region is not None:
         raise ValueError(f"{path}: region {region} has no END SOLUTION")
@@ -76,15 +85,13 @@ def stub_source(source: str, path: Path) -> tuple[str, list[str]]:
 
 
 def stub_stage(folder: Path) -> tuple[dict[str, str], list[str]]:
-    """Each .py file of a stage folder with its regions stubbed, and the exercise ids (checked, in order)."""
+    """Each .py file of a stage folder with this stage's regions stubbed, and their exercise ids (in order)."""
+    number = int(folder.name[:2])
     sources: dict[str, str] = {}
     ids: list[str] = []
     for path in sorted(folder.glob("*.py")):
-        sources[path.name], found = stub_source(path.read_text(), path)
+        sources[path.name], found = stub_source(path.read_text(), path, number)
         ids += found
-    number = int(folder.name[:2])
-    if wrong := [i for i in ids if int(i.split(".")[0]) != number]:
-        raise ValueError(f"{folder}: exercise ids {wrong} should start with {number}.")
     if len(set(ids)) != len(ids):
         raise ValueError(f"{folder}: an exercise id marks more than one region: {ids}")
     return sources, sorted(ids, key=lambda i: int(i.split(".")[1]))

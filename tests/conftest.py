@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
+import json
 import os
 import sys
 from collections.abc import Iterator
@@ -59,20 +61,39 @@ def hf(model_dir: Path):
     return model, tokenizer
 
 
+REFERENCES = Path(os.environ.get("LLM_COURSE_CACHE", Path.home() / ".cache" / "llm-course")) / "references"
+
+
+def model_key(model_dir: Path) -> str:
+    """Names one set of weights: the folder's config and the size and time of each weight file."""
+    digest = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for path in sorted(model_dir.glob("*.safetensors")):
+        digest.update(f"{path.name}:{path.stat().st_size}:{path.stat().st_mtime_ns}".encode())
+    return digest.hexdigest()[:16]
+
+
 @pytest.fixture(scope="session")
-def hf_greedy(hf):
-    """hf_greedy(prompt_ids, n) -> the new token ids of ``generate(do_sample=False)``, EOS included."""
-    model, _ = hf
-    cache: dict[tuple[tuple[int, ...], int], list[int]] = {}
+def hf_greedy(request: pytest.FixtureRequest, model_dir: Path):
+    """hf_greedy(prompt_ids, n) -> the new token ids of ``generate(do_sample=False)``, EOS included.
+
+    Computed once per model and prompt, then kept on disk (a JSON file per model under
+    ~/.cache/llm-course/references), so that nine stages compare against it without re-running it."""
+    path = REFERENCES / f"greedy-{model_key(model_dir)}.json"
+    cache: dict[str, list[int]] = json.loads(path.read_text()) if path.is_file() else {}
 
     def run(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-        key = (tuple(prompt_ids), max_new_tokens)
+        key = f"{max_new_tokens}:{','.join(map(str, prompt_ids))}"
         if key not in cache:
+            model, _ = request.getfixturevalue("hf")  # loaded only when a reference is missing
             ids = torch.tensor([prompt_ids])
             with torch.inference_mode():
                 out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                      do_sample=False)
             cache[key] = out[0, len(prompt_ids):].tolist()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temporary = path.with_suffix(f".{os.getpid()}.tmp")
+            temporary.write_text(json.dumps(cache))
+            temporary.replace(path)  # atomic: a concurrent run never reads half a file
         return cache[key]
 
     return run
@@ -81,14 +102,21 @@ def hf_greedy(hf):
 # --- engines and live servers --------------------------------------------------------------------
 
 
+def make_engine(folder: str, model_dir: Path, device: str = "cpu", **config):
+    """A stage's Engine on ``model_dir``, float32, with its EngineConfig's other fields as given."""
+    engine_config = stage(folder, "config").EngineConfig(model=str(model_dir), device=device, dtype="float32",
+                                                         **config)
+    return stage(folder, "engine").Engine(engine_config)
+
+
 @pytest.fixture(scope="session")
 def engine01(model_dir: Path):
-    return stage("01_naive", "engine").Engine(model_dir, device="cpu", dtype="float32")
+    return make_engine("01_naive", model_dir)
 
 
 @pytest.fixture(scope="session")
 def engine02(model_dir: Path):
-    return stage("02_streaming", "engine").Engine(model_dir, device="cpu", dtype="float32")
+    return make_engine("02_streaming", model_dir)
 
 
 @contextmanager
@@ -117,7 +145,7 @@ def server02(engine02) -> Iterator[LiveServer]:
 @pytest.fixture(scope="session")
 def engine03(model_dir: Path):
     # 64 MiB: about 1,450 tokens of SmolLM2's cache, plenty for the tests and small enough to fill.
-    return stage("03_paged_kv", "engine").Engine(model_dir, device="cpu", dtype="float32", kv_cache_mb=64)
+    return make_engine("03_paged_kv", model_dir, kv_cache_mb=64)
 
 
 @pytest.fixture(scope="session")
@@ -128,7 +156,7 @@ def server03(engine03) -> Iterator[LiveServer]:
 
 @pytest.fixture(scope="session")
 def engine04(model_dir: Path):
-    return stage("04_continuous_batching", "engine").Engine(model_dir, device="cpu", dtype="float32", kv_cache_mb=64)
+    return make_engine("04_continuous_batching", model_dir, kv_cache_mb=64)
 
 
 @pytest.fixture(scope="session")

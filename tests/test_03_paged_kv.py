@@ -8,10 +8,9 @@ import subprocess
 import sys
 
 import httpx
-import pytest
 
 from .conftest import REPO, stage
-from .prompts import CHAT_PROMPTS, TEXT_PROMPTS
+from .prompts import TEXT_PROMPTS
 
 sampler = stage("03_paged_kv", "sampler")
 MODEL = "smollm2-135m-instruct"
@@ -26,21 +25,6 @@ def token_ids(engine, prompt_ids: list[int], params) -> list[int]:
 
 
 # --- the same tokens as Hugging Face and as stage 02 -----------------------------------------------
-
-
-@pytest.mark.parametrize("prompt", TEXT_PROMPTS)
-def test_greedy_equals_hf_generate_and_stage02(engine03, engine02, hf_greedy, prompt):
-    prompt_ids = engine03.encode(prompt)
-    ours = token_ids(engine03, prompt_ids, greedy(32))
-    assert ours == hf_greedy(prompt_ids, 32)
-    assert ours == token_ids(engine02, prompt_ids, stage("02_streaming", "sampler").SamplingParams(
-        max_tokens=32, temperature=0.0))
-
-
-@pytest.mark.parametrize("prompt", CHAT_PROMPTS)
-def test_greedy_chat_equals_hf_generate(engine03, hf_greedy, prompt):
-    prompt_ids = engine03.encode_chat([{"role": "user", "content": prompt}])
-    assert token_ids(engine03, prompt_ids, greedy(32)) == hf_greedy(prompt_ids, 32)
 
 
 def test_seeded_sampling_repeats(engine03):

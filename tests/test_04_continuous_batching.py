@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from .conftest import REPO, stage
+from .conftest import REPO, make_engine, stage
 from .prompts import CHAT_PROMPTS, TEXT_PROMPTS
 
 sampler = stage("04_continuous_batching", "sampler")
@@ -74,8 +74,7 @@ def test_requests_that_join_mid_way_still_equal_hf(engine04, mixed):
 
 def test_preemption_by_recomputation_keeps_every_output_exact(model_dir, mixed):
     """A pool of 7 blocks (112 tokens) for 8 sequences of up to 3 blocks each: some must be preempted."""
-    engine = stage("04_continuous_batching", "engine").Engine(model_dir, device="cpu", dtype="float32",
-                                                             kv_cache_mb=5)
+    engine = make_engine("04_continuous_batching", model_dir, kv_cache_mb=5)
     assert engine.block_manager.num_blocks == 7
     prompts = [(ids, expected) for ids, expected in mixed if len(ids) + 24 <= 48][:8]
     assert len(prompts) == 8

@@ -10,13 +10,14 @@ import random
 import pytest
 import torch
 
-from .conftest import stage
+from .conftest import make_engine, stage
+from .stages import graded_first, stages_with
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ATOL = 1e-4
 
 
-STAGES = ["03_paged_kv", "04_continuous_batching"]
+STAGES = stages_with("attention")
 
 
 @pytest.fixture(scope="module", params=STAGES)
@@ -36,8 +37,7 @@ def kernels(folder):
 
 def graded(exercise: str) -> pytest.MarkDecorator:
     """Run on every stage; stage 03's run grades homework ``exercise``."""
-    return pytest.mark.parametrize(
-        "folder", [pytest.param(STAGES[0], marks=pytest.mark.exercise(exercise)), *STAGES[1:]], indirect=True)
+    return pytest.mark.parametrize("folder", graded_first(STAGES, exercise), indirect=True)
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -51,49 +51,85 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def paged_case(seed: int, context_lens: list[int], block_size: int, num_kv_heads: int, group: int,
-               head_dim: int = 64):
-    """A pool with each sequence's keys scattered over shuffled blocks, plus the dense keys to compare."""
+def paged_case(seed: int, seq_lens: list[int], block_size: int, num_kv_heads: int, group: int,
+               head_dim: int = 64, num_queries: list[int] | None = None):
+    """A pool with each sequence's keys scattered over shuffled blocks, the dense keys to compare, and
+    ``num_queries[i]`` queries per sequence (its last tokens; one each by default, as in a decode)."""
     gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [(n + block_size - 1) // block_size for n in context_lens]
+    blocks_per_seq = [(n + block_size - 1) // block_size for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + 3  # a few blocks that nobody owns
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
     ids = list(range(num_blocks))
     random.Random(seed).shuffle(ids)
     tables, dense = [], []
-    for n, count in zip(context_lens, blocks_per_seq, strict=True):
+    for n, count in zip(seq_lens, blocks_per_seq, strict=True):
         table, ids = ids[:count], ids[count:]
         tables.append(table + [0] * (max(blocks_per_seq) - count))
         rows = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(n)])
         dense.append((k_cache.flatten(0, 1)[rows], v_cache.flatten(0, 1)[rows]))
-    q = torch.randn(len(context_lens), num_kv_heads * group, head_dim, generator=gen)
+    num_queries = num_queries or [1] * len(seq_lens)
+    q = torch.randn(sum(num_queries), num_kv_heads * group, head_dim, generator=gen)
     block_tables = torch.tensor(tables, dtype=torch.int32)
-    lens = torch.tensor(context_lens, dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
     return q, k_cache, v_cache, block_tables, lens, dense
+
+
+def extend_meta(attn, cached_new: list[tuple[int, int]], block_tables: torch.Tensor):
+    """The metadata of an extend step: sequence i has cached_new[i][0] tokens cached and adds cached_new[i][1]."""
+    query_lens = [new for _, new in cached_new]
+    starts = [0, *torch.tensor(query_lens).cumsum(0).tolist()]
+    return attn.AttentionMetadata(
+        slot_mapping=torch.full((starts[-1],), -1, dtype=torch.int64),  # the K/V are in the pool already
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        query_lens=torch.tensor(query_lens, dtype=torch.int32),
+        seq_lens=torch.tensor([c + n for c, n in cached_new], dtype=torch.int32),
+        block_tables=block_tables,
+        max_query_len=max(query_lens),
+        logits_indices=torch.tensor(starts[1:], dtype=torch.int64) - 1,
+    )
 
 
 @graded("3.3")
 @pytest.mark.parametrize("group", [1, 3])
-@pytest.mark.parametrize("context_lens", [[1], [16], [17, 5, 40], [100, 33]])
-def test_decode_reference_equals_dense_attention(attn, context_lens, group):
-    q, k_cache, v_cache, tables, lens, dense = paged_case(0, context_lens, 16, num_kv_heads=2, group=group)
+@pytest.mark.parametrize("seq_lens", [[1], [16], [17, 5, 40], [100, 33]])
+def test_decode_reference_equals_dense_attention(attn, seq_lens, group):
+    q, k_cache, v_cache, tables, lens, dense = paged_case(0, seq_lens, 16, num_kv_heads=2, group=group)
     out = attn.decode_attention_reference(q, k_cache, v_cache, tables, lens, scale=1 / math.sqrt(64))
     for i, (k, v) in enumerate(dense):
         expected = dense_attention(q[i : i + 1], k, v, causal=False)[0]
         torch.testing.assert_close(out[i], expected, atol=ATOL, rtol=0)
 
 
-def test_prefill_reference_equals_dense_causal_attention(attn):
-    gen = torch.Generator().manual_seed(1)
-    lens = [5, 1, 23]
-    q = torch.randn(29, 6, 32, generator=gen)
-    k, v = torch.randn(29, 2, 32, generator=gen), torch.randn(29, 2, 32, generator=gen)
-    cu = torch.tensor([0, 5, 6, 29], dtype=torch.int32)
-    out = attn.prefill_attention(q, k, v, cu, scale=1 / math.sqrt(32))
-    for start, n in zip([0, 5, 6], lens, strict=True):
-        s = slice(start, start + n)
-        torch.testing.assert_close(out[s], dense_attention(q[s], k[s], v[s], causal=True), atol=ATOL, rtol=0)
+# (cached, new) per sequence: whole prompts (0, n), decode-like (L, 1), a prefix hit (h, n - h) and a chunk.
+EXTEND_CASES = [[(0, 5)], [(0, 1), (0, 23)], [(16, 16)], [(7, 3), (0, 12), (40, 1)], [(31, 2), (100, 30)]]
+
+
+@pytest.mark.parametrize("cached_new", EXTEND_CASES, ids=str)
+def test_extend_reference_equals_dense_causal_attention(attn, cached_new):
+    """New token i of a sequence with c cached tokens is row c + i of dense causal attention over all of them."""
+    seq_lens, num_new = [c + n for c, n in cached_new], [n for _, n in cached_new]
+    q, k_cache, v_cache, tables, _, dense = paged_case(1, seq_lens, 16, num_kv_heads=2, group=3, head_dim=32,
+                                                       num_queries=num_new)
+    meta = extend_meta(attn, cached_new, tables)
+    out = attn.extend_attention_reference(q, k_cache, v_cache, meta, scale=1 / math.sqrt(32))
+    start = 0
+    for (cached, new), (k, v) in zip(cached_new, dense, strict=True):
+        # The dense reference sees every token as a query; only the new ones' rows are compared.
+        full_q = torch.cat([torch.zeros(cached, *q.shape[1:]), q[start : start + new]])
+        expected = dense_attention(full_q, k, v, causal=True)[cached:]
+        torch.testing.assert_close(out[start : start + new], expected, atol=ATOL, rtol=0)
+        start += new
+
+
+def test_a_decode_step_is_an_extend_of_one_token(attn):
+    """The decode path is the extend step's special case: both give the same numbers."""
+    q, k_cache, v_cache, tables, lens, _ = paged_case(2, [9, 33, 64], 16, num_kv_heads=1, group=4)
+    meta = extend_meta(attn, [(n - 1, 1) for n in lens.tolist()], tables)
+    scale = 1 / math.sqrt(64)
+    torch.testing.assert_close(attn.extend_attention_reference(q, k_cache, v_cache, meta, scale),
+                               attn.decode_attention_reference(q, k_cache, v_cache, tables, lens, scale),
+                               atol=ATOL, rtol=0)
 
 
 # --- Triton against the reference ------------------------------------------------------------------------
@@ -101,18 +137,22 @@ def test_prefill_reference_equals_dense_causal_attention(attn):
 
 @pytest.mark.parametrize("num_kv_heads,group", [(1, 1), (2, 3), (3, 4)])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_write_kv_kernel_fills_the_same_slots(attn, kernels, num_kv_heads, group, block_size):
+def test_write_kv_kernel_fills_the_same_slots_and_skips_minus_one(attn, kernels, num_kv_heads, group, block_size):
     gen = torch.Generator().manual_seed(block_size + num_kv_heads)
     num_blocks, tokens = 6, 37
     k, v = torch.randn(tokens, num_kv_heads, 64, generator=gen), torch.randn(tokens, num_kv_heads, 64, generator=gen)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
-    caches = [torch.zeros(num_blocks, block_size, num_kv_heads, 64) for _ in range(4)]
-    attn.write_kv(k, v, caches[0], caches[1], slots)
-    kernels.write_kv(k.to(DEVICE), v.to(DEVICE), caches[2].to(DEVICE), caches[3].to(DEVICE), slots.to(DEVICE))
-    # (on CPU .to() is a no-op, so the kernel wrote into caches[2] and caches[3] themselves)
-    if DEVICE == "cpu":
-        assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
-        assert caches[2].count_nonzero() == tokens * num_kv_heads * 64  # nothing outside the slots
+    slots[::5] = -1  # padding rows: written nowhere (not to the pool's last slot, which -1 would index)
+    reference = [torch.zeros(num_blocks, block_size, num_kv_heads, 64) for _ in range(2)]
+    attn.write_kv(k, v, *reference, slots)
+    pools = [torch.zeros(num_blocks, block_size, num_kv_heads, 64, device=DEVICE) for _ in range(2)]
+    kernels.write_kv(k.to(DEVICE), v.to(DEVICE), *pools, slots.to(DEVICE))
+    for got, expected in zip(pools, reference, strict=True):
+        assert torch.equal(got.cpu(), expected)  # what the kernel wrote into the pools themselves
+    real = slots >= 0
+    assert reference[0].count_nonzero() == real.sum() * num_kv_heads * 64  # nothing outside the real slots
+    flat = reference[0].flatten(0, 1)
+    assert torch.equal(flat[slots[real]], k[real])
 
 
 @pytest.mark.parametrize("num_kv_heads,group", [(1, 1), (2, 3), (1, 4)])
@@ -121,8 +161,8 @@ def test_write_kv_kernel_fills_the_same_slots(attn, kernels, num_kv_heads, group
 def test_decode_kernel_matches_reference(attn, kernels, num_kv_heads, group, block_size, seed):
     rng = random.Random(seed * 100 + block_size + group)
     # Context lengths from 1 to a few hundred: exactly full blocks, partial last blocks, one token.
-    context_lens = [rng.choice([1, block_size, block_size + 1, rng.randint(2, 300)]) for _ in range(3)]
-    q, k_cache, v_cache, tables, lens, _ = paged_case(seed, context_lens, block_size, num_kv_heads, group)
+    seq_lens = [rng.choice([1, block_size, block_size + 1, rng.randint(2, 300)]) for _ in range(3)]
+    q, k_cache, v_cache, tables, lens, _ = paged_case(seed, seq_lens, block_size, num_kv_heads, group)
     scale = 1 / math.sqrt(64)
     expected = attn.decode_attention_reference(q, k_cache, v_cache, tables, lens, scale)
     args = [t.to(DEVICE) for t in (q, k_cache, v_cache, tables, lens)]
@@ -131,22 +171,25 @@ def test_decode_kernel_matches_reference(attn, kernels, num_kv_heads, group, blo
 
 
 @pytest.mark.parametrize("num_kv_heads,group", [(1, 1), (2, 3), (1, 4)])
-@pytest.mark.parametrize("lens", [[1], [16], [17, 3, 40], [130]])
-def test_prefill_kernel_matches_reference(attn, kernels, num_kv_heads, group, lens):
-    gen = torch.Generator().manual_seed(sum(lens) + group)
-    total = sum(lens)
-    q = torch.randn(total, num_kv_heads * group, 64, generator=gen)
-    k, v = torch.randn(total, num_kv_heads, 64, generator=gen), torch.randn(total, num_kv_heads, 64, generator=gen)
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("cached_new", [*EXTEND_CASES, [(0, 130)], [(15, 17), (32, 40)]], ids=str)
+def test_extend_kernel_matches_reference(attn, kernels, num_kv_heads, group, block_size, cached_new):
+    """Fresh prompts and sequences with cached tokens (prefix hits, chunks), ragged, GQA, both block sizes."""
+    seq_lens, num_new = [c + n for c, n in cached_new], [n for _, n in cached_new]
+    q, k_cache, v_cache, tables, _, _ = paged_case(sum(seq_lens) + group, seq_lens, block_size, num_kv_heads, group,
+                                                   num_queries=num_new)
+    meta = extend_meta(attn, cached_new, tables)
     scale = 1 / math.sqrt(64)
-    expected = attn.prefill_attention(q, k, v, cu, scale)
-    out = kernels.prefill_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), cu.to(DEVICE), max(lens), scale)
+    expected = attn.extend_attention_reference(q, k_cache, v_cache, meta, scale)
+    out = kernels.extend_attention(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE),
+                                   meta.query_start_loc.to(DEVICE), meta.seq_lens.to(DEVICE), tables.to(DEVICE),
+                                   meta.max_query_len, scale)
     torch.testing.assert_close(out.cpu(), expected, atol=ATOL, rtol=0)
 
 
 def test_stage03_gives_the_same_logits_through_either_implementation(monkeypatch, model_dir):
     """End to end on the embedded model: a prefill then decode steps across a block edge, both ways."""
-    engine = stage("03_paged_kv", "engine").Engine(model_dir, device=DEVICE, dtype="float32", kv_cache_mb=8)
+    engine = make_engine("03_paged_kv", model_dir, device=DEVICE, kv_cache_mb=8)
     prompt = engine.encode("The primary colours are red, yellow and blue. Mixing two of them gives")
     assert 12 <= len(prompt) < 16  # the prefill fills most of block 1; decoding crosses into block 2
     logits: dict[str, torch.Tensor] = {}
@@ -164,8 +207,7 @@ def test_stage03_gives_the_same_logits_through_either_implementation(monkeypatch
 
 def test_stage04_batches_give_the_same_tokens_through_either_implementation(monkeypatch, model_dir):
     """A ragged prefill of three prompts, then batched decode steps, with each implementation."""
-    engine = stage("04_continuous_batching", "engine").Engine(model_dir, device=DEVICE, dtype="float32",
-                                                             kv_cache_mb=8)
+    engine = make_engine("04_continuous_batching", model_dir, device=DEVICE, kv_cache_mb=8)
     params = stage("04_continuous_batching", "sampler").SamplingParams(max_tokens=4, temperature=0.0)
     prompts = [engine.encode(p) for p in ("Hello", "The primary colours are red, yellow and", "def add(a, b):")]
     tokens = {}

@@ -7,14 +7,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from .conftest import stage
+from .stages import graded_first, stages_with
+
+STAGES = stages_with("block_manager")
 
 
-@pytest.fixture(scope="module")
-def bm():
-    return stage("03_paged_kv", "block_manager")
+@pytest.fixture(scope="module", params=STAGES)
+def bm(request):
+    return stage(request.param, "block_manager")
 
 
-@pytest.mark.exercise("3.1")
+def graded(exercise: str) -> pytest.MarkDecorator:
+    """Run on every stage; the first (03, which introduces the block manager) grades ``exercise``."""
+    return pytest.mark.parametrize("bm", graded_first(STAGES, exercise), indirect=True)
+
+
+@graded("3.1")
 def test_grow_takes_a_block_only_when_the_last_one_is_full(bm):
     manager = bm.BlockManager(num_blocks=4, block_size=16)
     table: list[int] = []
@@ -27,7 +35,7 @@ def test_grow_takes_a_block_only_when_the_last_one_is_full(bm):
     assert len(set(table)) == 2
 
 
-@pytest.mark.exercise("3.1")
+@graded("3.1")
 def test_grow_is_all_or_nothing(bm):
     manager = bm.BlockManager(num_blocks=3, block_size=16)
     table: list[int] = []
@@ -40,7 +48,7 @@ def test_grow_is_all_or_nothing(bm):
     assert manager.num_free == 0
 
 
-@pytest.mark.exercise("3.1")
+@graded("3.1")
 def test_free_returns_every_block(bm):
     manager = bm.BlockManager(num_blocks=8, block_size=16)
     a: list[int] = []
@@ -53,7 +61,7 @@ def test_free_returns_every_block(bm):
     assert manager.num_free == 8
 
 
-@pytest.mark.exercise("3.2")
+@graded("3.2")
 def test_slot_mapping_follows_the_block_table(bm):
     manager = bm.BlockManager(num_blocks=8, block_size=4)
     table = [5, 2, 7]  # blocks need not be contiguous, or in order
@@ -63,7 +71,7 @@ def test_slot_mapping_follows_the_block_table(bm):
     assert manager.slot_mapping(table, 6, 6) == []
 
 
-@pytest.mark.exercise("3.2")
+@graded("3.2")
 def test_slot_mapping_gives_each_position_its_own_slot(bm):
     manager = bm.BlockManager(num_blocks=16, block_size=16)
     a: list[int] = []

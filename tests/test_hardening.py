@@ -18,12 +18,13 @@ import pytest
 
 from common.limits import Limits
 
-from .conftest import serve_stage, stage
+from .conftest import make_engine, serve_stage, stage
 from .prompts import TEXT_PROMPTS
 from .servers import LiveServer
+from .stages import FASTAPI_STAGES, stages_with
 
 MODEL = "smollm2-135m-instruct"
-STAGES = ["02_streaming", "03_paged_kv", "04_continuous_batching"]
+STAGES = FASTAPI_STAGES
 POISON = "Tell me about the poisoned apple."  # the prompt the injected faults pick out
 
 
@@ -180,7 +181,7 @@ def test_a_dead_engine_thread_turns_health_503_and_requests_fail_fast(monkeypatc
 # --- load, cancellation, exhaustion --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("folder", STAGES[1:])  # the stages with a KV pool
+@pytest.mark.parametrize("folder", stages_with("block_manager"))  # the stages with a KV pool
 def test_a_disconnected_stream_returns_its_blocks_and_the_server_goes_on(server):
     client = server.client()
     stream = client.completions.create(model=MODEL, prompt="Count forever:", max_tokens=1000, stream=True,
@@ -213,7 +214,7 @@ def test_a_cancellation_storm_leaves_nothing_behind(server):
             return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(200))), timeout=120)
 
     assert asyncio.run(storm()) == [200] * 200
-    state = settled(server, baseline, within_s=2)
+    state = settled(server, baseline, within_s=10)  # a step in flight ends first: seconds on a busy 2-core CPU
     assert (state["running"], state["waiting"], kv_used(server)) == (0, 0, baseline)
     response = httpx.post(f"{server.url}/v1/completions", json=body(max_tokens=4), timeout=5)
     assert response.json()["usage"]["completion_tokens"] == 4
@@ -236,8 +237,8 @@ def test_256_streaming_clients_all_complete_and_memory_stays_bounded():
 def test_64_long_requests_on_a_pool_that_fits_8_all_complete_exactly(model_dir, engine04):
     """3 blocks per request, 24 blocks in the pool: requests queue, are preempted and recomputed, and
     each still gets the tokens it gets with room to spare (which other tests tie to Hugging Face)."""
-    engine_module, sampler = stage("04_continuous_batching", "engine"), stage("04_continuous_batching", "sampler")
-    small = engine_module.Engine(model_dir, device="cpu", dtype="float32", kv_cache_mb=17)
+    sampler = stage("04_continuous_batching", "sampler")
+    small = make_engine("04_continuous_batching", model_dir, kv_cache_mb=17)
     assert small.block_manager.num_blocks == 24
     prompts = [small.encode(f"Fact {i}: {TEXT_PROMPTS[i % 4]}") for i in range(64)]
     assert all(len(p) + 24 <= 48 for p in prompts)

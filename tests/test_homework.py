@@ -12,8 +12,10 @@ import pytest
 
 from common import homework
 
+from .stages import STAGES as ALL_STAGES
+
 REPO = Path(__file__).resolve().parent.parent
-STAGES = [1, 2, 3, 4]
+STAGES = [int(folder[:2]) for folder in ALL_STAGES]
 SCORE_LINE = re.compile(r"^Exercise (\d+\.\d+) .* (\d+)/(\d+) passed$", re.MULTILINE)
 
 
@@ -86,3 +88,14 @@ def test_a_region_must_leave_valid_python():
         homework.stub_source(source, Path("broken.py"))
     with pytest.raises(ValueError, match="no END SOLUTION"):
         homework.stub_source("def f():\n    ### BEGIN SOLUTION 1.1\n    return 1\n", Path("open.py"))
+
+
+def test_an_earlier_stages_region_stays_as_plain_code():
+    """Stage 03 copies stage 02's files with their markers (byte-identical copies); stage 03's homework
+    stubs only its own regions and keeps the earlier solution, without the markers."""
+    source = ("def a():\n    ### BEGIN SOLUTION 2.4\n    return 2\n    ### END SOLUTION\n\n"
+              "def b():\n    ### BEGIN SOLUTION 3.1\n    return 3\n    ### END SOLUTION\n")
+    student, ids = homework.stub_source(source, Path("copied.py"), stage=3)
+    assert ids == ["3.1"]
+    assert student == ('def a():\n    return 2\n\ndef b():\n'
+                       '    raise NotImplementedError("Exercise 3.1: see EXERCISES.md")\n')

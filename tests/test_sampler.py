@@ -7,20 +7,20 @@ import pytest
 import torch
 
 from .conftest import stage
+from .sampling import OneRow
+from .stages import graded_first, stages_with
 
-STAGES = ["01_naive", "02_streaming", "03_paged_kv"]
+STAGES = stages_with("sampler")
 
 
 @pytest.fixture(params=STAGES)
 def sampler(request):
-    return stage(request.param, "sampler")
+    return OneRow(stage(request.param, "sampler"))
 
 
 def graded(exercise: str) -> pytest.MarkDecorator:
-    """Run on every stage; stage 01's run grades homework ``exercise`` (stage 02 copies 01's sampler)."""
-    return pytest.mark.parametrize(
-        "sampler", [pytest.param("01_naive", marks=pytest.mark.exercise(exercise)), *STAGES[1:]], indirect=True
-    )
+    """Run on every stage; stage 01's run grades homework ``exercise`` (later stages copy 01's code)."""
+    return pytest.mark.parametrize("sampler", graded_first(STAGES, exercise), indirect=True)
 
 
 def kept(probs: torch.Tensor) -> set[int]:

@@ -1,0 +1,38 @@
+"""Every stage against Hugging Face, in one test: on the standard prompts (text and chat) each stage's
+greedy tokens are exactly those of Hugging Face ``generate()`` on the same weights. LLMs-from-scratch
+checks its model variants this way; here the variants are the stages (and, from stage 05 on, each of
+a stage's on/off switches, listed in VARIANTS). The references are computed once and kept on disk."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from .conftest import stage
+from .prompts import CHAT_PROMPTS, TEXT_PROMPTS
+from .stages import STAGES
+
+MAX_TOKENS = 32
+
+
+def greedy_tokens(folder: str, engine, prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt's greedy tokens through the stage's own offline API (its shape changes with the lesson)."""
+    params = stage(folder, "sampler").SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    api = inspect.signature(engine.generate).parameters
+    if "prompts" in api:  # 04 on: every prompt in one continuous batch
+        return engine.generate(prompts, params)
+    if "request_id" in api:  # 02 and 03: a generator of outputs per request
+        return [[t for output in engine.generate(f"all-{i}", ids, params) for t in output.token_ids]
+                for i, ids in enumerate(prompts)]
+    return [engine.generate(ids, params).output_ids for ids in prompts]  # 01: the whole answer
+
+
+@pytest.mark.parametrize("folder", STAGES)
+def test_every_stage_gives_hugging_faces_greedy_tokens(request, folder, hf_greedy):
+    engine = request.getfixturevalue(f"engine{folder[:2]}")
+    prompts = [engine.encode(p) for p in TEXT_PROMPTS]
+    prompts += [engine.encode_chat([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
+    ours = greedy_tokens(folder, engine, prompts)
+    for ids, tokens in zip(prompts, ours, strict=True):
+        assert tokens == hf_greedy(ids, MAX_TOKENS), engine.tokenizer.decode(ids)
