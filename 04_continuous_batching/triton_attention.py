@@ -14,8 +14,9 @@ do that the reference does not:
   block at a time, and all query heads that share the KV head (grouped-query attention) are served
   from the same load of K and V.
 
-Kernels want power-of-two tile sizes: head_dim and block_size must be powers of two (and the block
-at least 16); every Llama/Qwen2/Mistral checkpoint we serve has such a head_dim.
+Kernels want power-of-two tile sizes. The block size is one (16 to 128); a head size that is not
+(80, 96, 112) is padded to the next power of two inside the kernels, and the padding lanes are
+masked on every load and store, so they read nothing and write nothing.
 """
 
 from __future__ import annotations
@@ -60,11 +61,13 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 # --- extend: causal flash attention of each sequence's new tokens over its whole cache --------------------
 
 
-@triton.jit
+# The block table's width changes from step to step (the longest sequence's block count), and Triton
+# would compile a new variant whenever its stride changes divisibility: so it is not specialized on.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
                    scale, stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
-                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     m_block, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -75,15 +78,18 @@ def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_ptr
     kv_head = head // GROUP
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # which of the sequence's new tokens
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_PAD)  # the head size, padded to a power of two
+    in_head = offs_d < HEAD_DIM  # False on the padding lanes: loaded as 0, never stored
 
     q_rows = (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptr + q_rows, mask=(offs_m < query_len)[:, None], other=0.0)  # [BLOCK_M, D]
+    q = tl.load(q_ptr + q_rows, mask=(offs_m < query_len)[:, None] & in_head[None, :], other=0.0)  # [BLOCK_M, Dp]
+    if UPCAST:
+        q = q.to(tl.float32)
     q_positions = num_cached + offs_m
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of each query's scores
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp(score - max)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)  # running sum of weights * values
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)  # running sum of weights * values
     # Causal: keys past this tile's last query can be skipped entirely.
     kv_end = tl.minimum(num_cached + (m_block + 1) * BLOCK_M, seq_len)
     for n_start in range(0, kv_end, BLOCK_N):
@@ -93,8 +99,10 @@ def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_ptr
         block = tl.load(block_tables_ptr + seq * stride_bt + keys // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
         rows = block[:, None] * stride_cb + (keys % BLOCK_SIZE)[:, None] * stride_cs + kv_head * stride_ch \
             + offs_d[None, :]
-        k = tl.load(k_cache_ptr + rows, mask=in_seq[:, None], other=0.0)  # [BLOCK_N, D]
-        v = tl.load(v_cache_ptr + rows, mask=in_seq[:, None], other=0.0)
+        k = tl.load(k_cache_ptr + rows, mask=in_seq[:, None] & in_head[None, :], other=0.0)  # [BLOCK_N, Dp]
+        v = tl.load(v_cache_ptr + rows, mask=in_seq[:, None] & in_head[None, :], other=0.0)
+        if UPCAST:
+            k, v = k.to(tl.float32), v.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N]
         visible = (q_positions[:, None] >= keys[None, :]) & in_seq[None, :]
         scores = tl.where(visible, scores, float("-inf"))
@@ -109,7 +117,8 @@ def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_ptr
 
     out = acc / l_i[:, None]
     out_rows = (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
-    tl.store(out_ptr + out_rows, out.to(out_ptr.dtype.element_ty), mask=(offs_m < query_len)[:, None])
+    tl.store(out_ptr + out_rows, out.to(out_ptr.dtype.element_ty),
+             mask=(offs_m < query_len)[:, None] & in_head[None, :])
 
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
@@ -119,7 +128,6 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # q: [T, H, D]; caches: [N, S, Hkv, D]; query_start_loc: [B + 1]; seq_lens: [B]; block_tables: [B, max_blocks]
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    assert _is_power_of_two(head_dim), f"the Triton kernels need a power-of-two head_dim, not {head_dim}"
     assert _is_power_of_two(block_size) and k_cache.stride() == v_cache.stride()
     q = q.contiguous()
     out = torch.empty_like(q)
@@ -128,37 +136,40 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _extend_kernel[grid](q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale,
                          q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                          block_tables.stride(0), out.stride(0), out.stride(1),
-                         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block,
-                         BLOCK_N=block, PRECISION=_dot_precision(q.dtype))
+                         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_PAD=triton.next_power_of_2(head_dim),
+                         BLOCK_SIZE=block_size, BLOCK_M=block, BLOCK_N=block, PRECISION=_dot_precision(q.dtype),
+                         UPCAST=_interpreted() and q.dtype != torch.float32)
     return out
 
 
 # --- decode: one query per sequence, keys and values read through the block table ----------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, scale,
                    stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ob, stride_oh,
-                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr):
     seq, kv_head = tl.program_id(0), tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
     offs_g = tl.arange(0, GROUP_PAD)  # the query heads that share this KV head
     offs_s = tl.arange(0, BLOCK_SIZE)  # slots within one block
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_PAD)  # the head size, padded to a power of two
+    in_head = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_g
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=(offs_g < GROUP)[:, None], other=0.0).to(tl.float32)  # [GROUP_PAD, D]
+                mask=(offs_g < GROUP)[:, None] & in_head[None, :], other=0.0).to(tl.float32)  # [GROUP_PAD, Dp]
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
     for j in range(0, tl.cdiv(seq_len, BLOCK_SIZE)):
         block = tl.load(block_tables_ptr + seq * stride_bt + j).to(tl.int64)  # the page table lookup
         in_context = j * BLOCK_SIZE + offs_s < seq_len  # the last block may be partly filled
         rows = block * stride_cb + offs_s[:, None] * stride_cs + kv_head * stride_ch + offs_d[None, :]
-        k = tl.load(k_cache_ptr + rows, mask=in_context[:, None], other=0.0).to(tl.float32)  # [S, D]
-        v = tl.load(v_cache_ptr + rows, mask=in_context[:, None], other=0.0).to(tl.float32)
+        mask = in_context[:, None] & in_head[None, :]
+        k = tl.load(k_cache_ptr + rows, mask=mask, other=0.0).to(tl.float32)  # [S, Dp]
+        v = tl.load(v_cache_ptr + rows, mask=mask, other=0.0).to(tl.float32)
         # One query row per head is too thin for tl.dot's 16-row minimum: multiply and sum instead.
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_PAD, S]
         scores = tl.where(in_context[None, :], scores, float("-inf"))
@@ -171,7 +182,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, s
 
     out = acc / l_i[:, None]
     tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=(offs_g < GROUP)[:, None])
+             out.to(out_ptr.dtype.element_ty), mask=(offs_g < GROUP)[:, None] & in_head[None, :])
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -180,7 +191,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # q: [B, H, D]; caches: [N, S, Hkv, D]; block_tables: [B, max_blocks]; seq_lens: [B] -> [B, H, D]
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    assert _is_power_of_two(head_dim) and _is_power_of_two(block_size) and block_size >= 16
+    assert _is_power_of_two(block_size) and block_size >= 16
     assert k_cache.stride() == v_cache.stride()
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
@@ -188,7 +199,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, out, block_tables, seq_lens, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, BLOCK_SIZE=block_size)
+        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim,
+        HEAD_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size)
     return out
 
 
@@ -196,6 +208,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def _interpreted() -> bool:
+    """Running in Triton's interpreter (the CPU tests). Its ``tl.dot`` multiplies the raw bits of 16-bit
+    floats (Triton 3.9), so there the extend kernel upcasts its dot operands to float32 (UPCAST); on a
+    GPU the products run in bfloat16 on the tensor cores."""
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 

@@ -183,3 +183,13 @@ def test_cli_help_names_the_batching_flags():
     out = subprocess.run([sys.executable, "-m", "04_continuous_batching", "--help"], cwd=REPO, capture_output=True,
                          text=True, timeout=120, check=True).stdout
     assert "--max-num-seqs" in out and "--max-num-batched-tokens" in out and "--demo" in out
+
+
+def test_the_start_up_warm_up_writes_nothing_into_the_pool(model_dir):
+    """At start-up the engine runs a decode step and an extend step to compile its kernels (on CUDA it
+    first runs its largest step, to measure the activations before sizing the pool). Those steps write
+    K/V to slot -1, which is nowhere: the pool must still hold only the zeros it was allocated with."""
+    engine = make_engine("04_continuous_batching", model_dir, kv_cache_mb=4)
+    assert engine.kv_cache.data.count_nonzero() == 0
+    engine.run_dummy_step(40, engine.kv_cache)  # several blocks' worth, all read from block 0
+    assert engine.kv_cache.data.count_nonzero() == 0

@@ -215,3 +215,58 @@ def test_stage04_batches_give_the_same_tokens_through_either_implementation(monk
         monkeypatch.setenv("LLM_ATTENTION", impl)
         tokens[impl] = engine.generate(prompts, params)
     assert tokens["triton"] == tokens["torch"]
+
+
+# --- any head size, block size and group; bfloat16 -------------------------------------------------------
+
+# Head sizes that are not powers of two (80, 96, 112: padded to 128 inside the kernels), every block
+# size the engine offers, and grouped-query attention with 1 to 8 query heads per KV head.
+SHAPES = [(64, 16, 1, 1), (80, 32, 2, 3), (128, 64, 1, 4), (96, 128, 1, 7), (112, 16, 1, 8), (80, 128, 2, 8)]
+
+
+@pytest.mark.parametrize(("head_dim", "block_size", "num_kv_heads", "group"), SHAPES,
+                         ids=[f"d{d}-s{s}-kv{k}-g{g}" for d, s, k, g in SHAPES])
+def test_kernels_take_any_head_size_block_size_and_group(attn, kernels, head_dim, block_size, num_kv_heads, group):
+    scale = 1 / math.sqrt(head_dim)
+    seq_lens = [1, block_size + 1, 150]
+    q, k_cache, v_cache, tables, lens, _ = paged_case(head_dim, seq_lens, block_size, num_kv_heads, group,
+                                                      head_dim)
+    expected = attn.decode_attention_reference(q, k_cache, v_cache, tables, lens, scale)
+    out = kernels.decode_attention(*[t.to(DEVICE) for t in (q, k_cache, v_cache, tables, lens)], scale)
+    torch.testing.assert_close(out.cpu(), expected, atol=ATOL, rtol=0)
+
+    cached_new = [(0, 20), (block_size + 3, 5)]
+    seq_lens, num_new = [c + n for c, n in cached_new], [n for _, n in cached_new]
+    q, k_cache, v_cache, tables, _, _ = paged_case(head_dim + 1, seq_lens, block_size, num_kv_heads, group,
+                                                   head_dim, num_queries=num_new)
+    meta = extend_meta(attn, cached_new, tables)
+    expected = attn.extend_attention_reference(q, k_cache, v_cache, meta, scale)
+    out = kernels.extend_attention(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE),
+                                   meta.query_start_loc.to(DEVICE), meta.seq_lens.to(DEVICE), tables.to(DEVICE),
+                                   meta.max_query_len, scale)
+    torch.testing.assert_close(out.cpu(), expected, atol=ATOL, rtol=0)
+
+
+BF16_ATOL = 2e-2  # bfloat16 keeps 8 bits of mantissa: outputs of size ~1 round at about 4e-3, sums more
+
+
+def test_kernels_in_bfloat16_match_the_float32_reference(attn, kernels):
+    """CUDA runs bfloat16. The kernels accumulate in float32 whatever the input; compared with the float32
+    reference on the same (bfloat16-rounded) inputs, the outputs differ only by bfloat16 rounding."""
+    scale = 1 / math.sqrt(64)
+    q, k_cache, v_cache, tables, lens, _ = paged_case(5, [7, 40, 130], 16, 2, 3)
+    q, k_cache, v_cache = (t.bfloat16() for t in (q, k_cache, v_cache))
+    expected = attn.decode_attention_reference(q.float(), k_cache.float(), v_cache.float(), tables, lens, scale)
+    out = kernels.decode_attention(*[t.to(DEVICE) for t in (q, k_cache, v_cache, tables, lens)], scale)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float().cpu(), expected, atol=BF16_ATOL, rtol=0)
+
+    cached_new = [(0, 33), (16, 9)]
+    q, k_cache, v_cache, tables, _, _ = paged_case(6, [33, 25], 16, 2, 3, num_queries=[33, 9])
+    q, k_cache, v_cache = (t.bfloat16() for t in (q, k_cache, v_cache))
+    meta = extend_meta(attn, cached_new, tables)
+    expected = attn.extend_attention_reference(q.float(), k_cache.float(), v_cache.float(), meta, scale)
+    out = kernels.extend_attention(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE),
+                                   meta.query_start_loc.to(DEVICE), meta.seq_lens.to(DEVICE), tables.to(DEVICE),
+                                   meta.max_query_len, scale)
+    torch.testing.assert_close(out.float().cpu(), expected, atol=BF16_ATOL, rtol=0)

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
 
 from common.limits import Limits
 
@@ -153,6 +154,30 @@ def test_a_failing_request_fails_alone(monkeypatch, folder, engine, server):
 
 class Fatal(BaseException):
     """Not an Exception: nothing on the engine thread catches it, so the thread dies."""
+
+
+def test_a_gpu_error_stops_the_engine_instead_of_failing_every_later_request(monkeypatch, folder, engine):
+    """On CUDA an error such as a device-side assert is sticky: every later kernel fails too. The engine
+    must stop (503, /health 503) rather than answer each later request with a 500. Injected here as the
+    error PyTorch raises for it (torch.AcceleratorError), where the engine thread runs the model."""
+    def gpu_error(*args, **kwargs):
+        raise torch.AcceleratorError("CUDA error: device-side assert triggered")
+
+    with serve_stage(folder, engine) as server:
+        if folder == "04_continuous_batching":
+            monkeypatch.setattr(engine.runner, "execute", gpu_error)
+        else:
+            monkeypatch.setattr(engine, "generate", gpu_error)
+        url = f"{server.url}/v1/completions"
+        response = httpx.post(url, json=body(), timeout=30)
+        assert response.status_code == 503 and response.json()["error"]["code"] == "engine_stopped"
+        assert "the GPU failed" in response.json()["error"]["message"]
+        deadline = time.monotonic() + 5
+        while httpx.get(f"{server.url}/health", timeout=10).status_code != 503:
+            assert time.monotonic() < deadline, "/health still says ok after the GPU failed"
+            time.sleep(0.02)
+    if folder != "02_streaming":
+        assert engine.block_manager.num_used == 0
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
