@@ -9,7 +9,7 @@ import inspect
 
 import pytest
 
-from .conftest import stage
+from .conftest import make_engine, stage
 from .prompts import CHAT_PROMPTS, TEXT_PROMPTS
 from .stages import STAGES
 
@@ -28,9 +28,19 @@ def greedy_tokens(folder: str, engine, prompts: list[list[int]]) -> list[list[in
     return [engine.generate(ids, params).output_ids for ids in prompts]  # 01: the whole answer
 
 
-@pytest.mark.parametrize("folder", STAGES)
-def test_every_stage_gives_hugging_faces_greedy_tokens(request, folder, hf_greedy):
-    engine = request.getfixturevalue(f"engine{folder[:2]}")
+# Each stage's on/off switches (EngineConfig fields) that must not change a greedy answer. The default
+# configuration ({}) always runs; a stage adds its switches here, e.g. stage 05 {"prefix_cache": "off"}.
+VARIANTS: dict[str, list[dict]] = {folder: [{}] for folder in STAGES}
+CASES = [(folder, variant) for folder in STAGES for variant in VARIANTS[folder]]
+
+
+@pytest.mark.parametrize(("folder", "variant"), CASES,
+                         ids=[f"{folder}{'-' + str(variant) if variant else ''}" for folder, variant in CASES])
+def test_every_stage_gives_hugging_faces_greedy_tokens(request, folder, variant, hf_greedy, model_dir):
+    if variant:
+        engine = make_engine(folder, model_dir, **variant)
+    else:
+        engine = request.getfixturevalue(f"engine{folder[:2]}")  # the session's engine, default settings
     prompts = [engine.encode(p) for p in TEXT_PROMPTS]
     prompts += [engine.encode_chat([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
     ours = greedy_tokens(folder, engine, prompts)
