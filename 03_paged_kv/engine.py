@@ -82,6 +82,7 @@ class Engine:
         budget = budget_bytes(self.device, config.kv_cache_mb, config.gpu_memory_utilization)
         self.kv_cache = KVCache.allocate(shape, budget, self.device)
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size)
+        self.warm_up()
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -125,8 +126,20 @@ class Engine:
         in the cache already; write their K/V to the pool and return their hidden states."""
         end = start + len(token_ids)
         self.block_manager.grow(block_table, end)  # a new block only when the last one is full
+        return self._run(token_ids, start, block_table, self.block_manager.slot_mapping(block_table, start, end))
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Compile the kernels now rather than in a user's request: a decode step and an extend step that
+        read block 0 and write nowhere (slot -1)."""
+        for num_tokens in (1, 2):
+            self._run([0] * num_tokens, 0, [0], [-1] * num_tokens)
+
+    def _run(self, token_ids: list[int], start: int, block_table: list[int], slot_mapping: list[int]) -> torch.Tensor:
+        """One forward pass of one sequence's tokens at positions ``start...``; their hidden states."""
+        end = start + len(token_ids)
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(self.block_manager.slot_mapping(block_table, start, end), torch.int64),
+            slot_mapping=self._tensor(slot_mapping, torch.int64),
             query_start_loc=self._tensor([0, len(token_ids)]),  # one sequence in this stage
             query_lens=self._tensor([len(token_ids)]),
             seq_lens=self._tensor([end]),

@@ -9,7 +9,7 @@ import sys
 
 import httpx
 
-from .conftest import REPO, stage
+from .conftest import REPO, make_engine, stage
 from .prompts import TEXT_PROMPTS
 
 sampler = stage("03_paged_kv", "sampler")
@@ -104,3 +104,12 @@ def test_cli_help_names_the_pool_flags():
     out = subprocess.run([sys.executable, "-m", "03_paged_kv", "--help"], cwd=REPO, capture_output=True, text=True,
                          timeout=120, check=True).stdout
     assert "--kv-cache-mb" in out and "--block-size" in out and "--demo" in out
+
+
+def test_the_start_up_warm_up_writes_nothing_into_the_pool(model_dir):
+    """The engine compiles its kernels at start-up with a decode and an extend step whose K/V go to slot
+    -1, which is nowhere: the pool must still hold only the zeros it was allocated with."""
+    engine = make_engine("03_paged_kv", model_dir, kv_cache_mb=4)
+    assert engine.kv_cache.data.count_nonzero() == 0
+    engine.warm_up()
+    assert engine.kv_cache.data.count_nonzero() == 0 and engine.block_manager.num_used == 0
