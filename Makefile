@@ -22,6 +22,7 @@ help:
 	@echo "make homework [STAGE=NN]         write a student copy to homework/NN_name/ (see its EXERCISES.md)"
 	@echo "make grade [STAGE=NN] [DIR=homework]  grade a copy: a score per exercise (DIR=. grades the reference)"
 	@echo "make test             run the whole test suite"
+	@echo "make gpu-check CUDA=1 on a GPU machine: the GPU suite, every demo on CUDA, short benchmarks -> results/cuda/"
 	@echo "make lint             ruff"
 
 install: $(STAMP)
@@ -76,6 +77,12 @@ grade: install
 
 test: install
 	$(PY) -m pytest
+
+# On a GPU machine: `pytest -m cuda`, each stage's demo with --device cuda (Triton and the PyTorch reference),
+# a short benchmark of every stage from 04 on. No model wheel needed: see common/gpu_check.py.
+.PHONY: gpu-check
+gpu-check: install
+	$(PY) -m common.gpu_check
 
 lint: install
 	$(PY) -m ruff check .

@@ -25,7 +25,7 @@ from transformers import AutoTokenizer
 from common.device import pick_device, pick_dtype
 from common.weights import resolve_model
 
-from .attention import AttentionMetadata
+from .attention import AttentionMetadata, use_triton
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
@@ -36,6 +36,8 @@ from .sampler import SamplingParams, compute_logprobs, make_generator, sample
 from .sequence import Request, RequestOutput
 
 log = logging.getLogger("llm-course")
+
+WARM_UP_TOKENS = 256  # the start-up's extend step: a typical prompt, which the kernel's tiles are tuned on
 
 
 class InvalidRequest(ValueError):
@@ -131,9 +133,13 @@ class Engine:
     @torch.inference_mode()
     def warm_up(self) -> None:
         """Compile the kernels now rather than in a user's request: a decode step and an extend step that
-        read block 0 and write nowhere (slot -1)."""
-        for num_tokens in (1, 2):
-            self._run([0] * num_tokens, 0, [0], [-1] * num_tokens)
+        read block 0 for every position and write nowhere (slot -1). The extend step is prompt-sized, since
+        the Triton kernel's autotuner picks its tiles on that first call (the PyTorch reference compiles
+        nothing, and two tokens do)."""
+        block_size = self.block_manager.block_size
+        extend_tokens = WARM_UP_TOKENS if use_triton(self.device) else 2
+        for num_tokens in (1, min(extend_tokens, self.max_model_len)):
+            self._run([0] * num_tokens, 0, [0] * -(-num_tokens // block_size), [-1] * num_tokens)
 
     def _run(self, token_ids: list[int], start: int, block_table: list[int], slot_mapping: list[int]) -> torch.Tensor:
         """One forward pass of one sequence's tokens at positions ``start...``; their hidden states."""

@@ -17,13 +17,25 @@ import pytest
 import torch
 
 from common.limits import Limits
-from common.weights import resolve_model
+from common.weights import DEFAULT_MODEL, resolve_model
 
 from .servers import LiveServer, start_fastapi, start_flask
 
 # Without a GPU, the Triton kernels (stage 03 on) run in Triton's interpreter: set before triton is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``cuda`` need a GPU: without one they are skipped, saying so."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: `pytest -m cuda` (or `make gpu-check`) on a GPU machine")
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(skip)
+
 
 REPO = Path(__file__).resolve().parent.parent
 # A student copy of the stages (see `make homework`) is tested by pointing STAGE_ROOT at it.
@@ -48,7 +60,8 @@ def stage(package: str, module: str) -> ModuleType:
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
-    return resolve_model()  # converts the embedded GGUF on first use
+    # LLM_COURSE_MODEL: another model folder for the whole suite (`make gpu-check` passes a random-weight one).
+    return resolve_model(os.environ.get("LLM_COURSE_MODEL", DEFAULT_MODEL))  # converts the embedded GGUF once
 
 
 @pytest.fixture(scope="session")
@@ -99,13 +112,25 @@ def hf_greedy(request: pytest.FixtureRequest, model_dir: Path):
     return run
 
 
+@pytest.fixture(scope="session")
+def hf_next_logprobs(request: pytest.FixtureRequest):
+    """hf_next_logprobs(ids) -> [V]: Hugging Face's log-probabilities of the token after ``ids`` (float32, CPU),
+    for the rare test that must tell a genuine near-tie from a wrong token."""
+
+    def run(ids: list[int]) -> torch.Tensor:
+        model, _ = request.getfixturevalue("hf")
+        with torch.inference_mode():
+            return model(torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)
+
+    return run
+
+
 # --- engines and live servers --------------------------------------------------------------------
 
 
-def make_engine(folder: str, model_dir: Path, device: str = "cpu", **config):
-    """A stage's Engine on ``model_dir``, float32, with its EngineConfig's other fields as given."""
-    engine_config = stage(folder, "config").EngineConfig(model=str(model_dir), device=device, dtype="float32",
-                                                         **config)
+def make_engine(folder: str, model_dir: Path, device: str = "cpu", dtype: str = "float32", **config):
+    """A stage's Engine on ``model_dir``, float32 unless asked, with its EngineConfig's other fields as given."""
+    engine_config = stage(folder, "config").EngineConfig(model=str(model_dir), device=device, dtype=dtype, **config)
     return stage(folder, "engine").Engine(engine_config)
 
 

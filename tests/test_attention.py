@@ -1,10 +1,14 @@
 """Paged attention (stage 03 on): the Triton kernels agree with the PyTorch reference, and the
 reference agrees with plain dense attention, in every stage that has them (stage 04's decode
-reference is batched). Without a GPU the kernels run under TRITON_INTERPRET=1."""
+reference is batched).
+
+Each kernel test runs twice: on the CPU, where the kernels run under TRITON_INTERPRET=1, and on a
+GPU (marked ``cuda``: ``pytest -m cuda`` is the GPU suite, skipped with a reason where there is none)."""
 
 from __future__ import annotations
 
 import math
+import os
 import random
 
 import pytest
@@ -13,7 +17,6 @@ import torch
 from .conftest import make_engine, stage
 from .stages import graded_first, stages_with
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ATOL = 1e-4
 
 
@@ -33,6 +36,14 @@ def attn(folder):
 @pytest.fixture(scope="module")
 def kernels(folder):
     return stage(folder, "triton_attention")
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def device(request) -> str:
+    """Where the kernels run: the CPU through Triton's interpreter, or the GPU, compiled."""
+    if request.param == "cpu" and torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton compiles for the GPU on this machine: the kernels are tested in the cuda case")
+    return request.param
 
 
 def graded(exercise: str) -> pytest.MarkDecorator:
@@ -135,9 +146,16 @@ def test_a_decode_step_is_an_extend_of_one_token(attn):
 # --- Triton against the reference ------------------------------------------------------------------------
 
 
+def run_extend(kernels, device: str, q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
+    """The extend kernel on ``device``, its output back on the CPU."""
+    on = [t.to(device) for t in (q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables)]
+    return kernels.extend_attention(*on, meta.max_query_len, scale).cpu()
+
+
 @pytest.mark.parametrize("num_kv_heads,group", [(1, 1), (2, 3), (3, 4)])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_write_kv_kernel_fills_the_same_slots_and_skips_minus_one(attn, kernels, num_kv_heads, group, block_size):
+def test_write_kv_kernel_fills_the_same_slots_and_skips_minus_one(attn, kernels, num_kv_heads, group, block_size,
+                                                                  device):
     gen = torch.Generator().manual_seed(block_size + num_kv_heads)
     num_blocks, tokens = 6, 37
     k, v = torch.randn(tokens, num_kv_heads, 64, generator=gen), torch.randn(tokens, num_kv_heads, 64, generator=gen)
@@ -145,8 +163,8 @@ def test_write_kv_kernel_fills_the_same_slots_and_skips_minus_one(attn, kernels,
     slots[::5] = -1  # padding rows: written nowhere (not to the pool's last slot, which -1 would index)
     reference = [torch.zeros(num_blocks, block_size, num_kv_heads, 64) for _ in range(2)]
     attn.write_kv(k, v, *reference, slots)
-    pools = [torch.zeros(num_blocks, block_size, num_kv_heads, 64, device=DEVICE) for _ in range(2)]
-    kernels.write_kv(k.to(DEVICE), v.to(DEVICE), *pools, slots.to(DEVICE))
+    pools = [torch.zeros(num_blocks, block_size, num_kv_heads, 64, device=device) for _ in range(2)]
+    kernels.write_kv(k.to(device), v.to(device), *pools, slots.to(device))
     for got, expected in zip(pools, reference, strict=True):
         assert torch.equal(got.cpu(), expected)  # what the kernel wrote into the pools themselves
     real = slots >= 0
@@ -158,22 +176,46 @@ def test_write_kv_kernel_fills_the_same_slots_and_skips_minus_one(attn, kernels,
 @pytest.mark.parametrize("num_kv_heads,group", [(1, 1), (2, 3), (1, 4)])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("seed", range(3))
-def test_decode_kernel_matches_reference(attn, kernels, num_kv_heads, group, block_size, seed):
+def test_decode_kernel_matches_reference(attn, kernels, num_kv_heads, group, block_size, seed, device):
     rng = random.Random(seed * 100 + block_size + group)
     # Context lengths from 1 to a few hundred: exactly full blocks, partial last blocks, one token.
     seq_lens = [rng.choice([1, block_size, block_size + 1, rng.randint(2, 300)]) for _ in range(3)]
     q, k_cache, v_cache, tables, lens, _ = paged_case(seed, seq_lens, block_size, num_kv_heads, group)
     scale = 1 / math.sqrt(64)
     expected = attn.decode_attention_reference(q, k_cache, v_cache, tables, lens, scale)
-    args = [t.to(DEVICE) for t in (q, k_cache, v_cache, tables, lens)]
+    args = [t.to(device) for t in (q, k_cache, v_cache, tables, lens)]
     out = kernels.decode_attention(*args, scale)
     torch.testing.assert_close(out.cpu(), expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 32])
+def test_decode_kernel_gives_the_same_answer_however_the_context_is_split(attn, kernels, num_splits, device):
+    """Flash-decoding: each split attends to its share of the keys, the merge weighs the shares by their
+    softmax sums. Contexts of 1 token (every split but the first empty), of a block, and longer than the
+    splits, side by side in one batch."""
+    q, k_cache, v_cache, tables, lens, _ = paged_case(num_splits, [1, 16, 203, 77], 16, num_kv_heads=3, group=3)
+    scale = 1 / math.sqrt(64)
+    expected = attn.decode_attention_reference(q, k_cache, v_cache, tables, lens, scale)
+    out = kernels.decode_attention(*[t.to(device) for t in (q, k_cache, v_cache, tables, lens)], scale,
+                                   num_splits=num_splits)
+    torch.testing.assert_close(out.cpu(), expected, atol=ATOL, rtol=0)
+
+
+def test_decode_splits_the_context_only_when_the_batch_leaves_the_gpu_idle(kernels, monkeypatch):
+    """On a 132-multiprocessor GPU one sequence with 3 KV heads is 3 programs: its context is split. A batch
+    of 128 sequences is 384 programs already: no split, no merge to pay for. Short contexts are not split."""
+    monkeypatch.setattr(kernels, "_multiprocessors", lambda device: 132)
+    gpu = torch.device("cuda")
+    assert kernels._num_splits(programs=3, tiles=64, device=gpu) == 16  # 64 tiles, at least 4 per split
+    assert kernels._num_splits(programs=3, tiles=4096, device=gpu) == kernels.MAX_SPLITS
+    assert kernels._num_splits(programs=3, tiles=2, device=gpu) == 1
+    assert kernels._num_splits(programs=128 * 3, tiles=64, device=gpu) == 1
 
 
 @pytest.mark.parametrize("num_kv_heads,group", [(1, 1), (2, 3), (1, 4)])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("cached_new", [*EXTEND_CASES, [(0, 130)], [(15, 17), (32, 40)]], ids=str)
-def test_extend_kernel_matches_reference(attn, kernels, num_kv_heads, group, block_size, cached_new):
+def test_extend_kernel_matches_reference(attn, kernels, num_kv_heads, group, block_size, cached_new, device):
     """Fresh prompts and sequences with cached tokens (prefix hits, chunks), ragged, GQA, both block sizes."""
     seq_lens, num_new = [c + n for c, n in cached_new], [n for _, n in cached_new]
     q, k_cache, v_cache, tables, _, _ = paged_case(sum(seq_lens) + group, seq_lens, block_size, num_kv_heads, group,
@@ -181,15 +223,13 @@ def test_extend_kernel_matches_reference(attn, kernels, num_kv_heads, group, blo
     meta = extend_meta(attn, cached_new, tables)
     scale = 1 / math.sqrt(64)
     expected = attn.extend_attention_reference(q, k_cache, v_cache, meta, scale)
-    out = kernels.extend_attention(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE),
-                                   meta.query_start_loc.to(DEVICE), meta.seq_lens.to(DEVICE), tables.to(DEVICE),
-                                   meta.max_query_len, scale)
-    torch.testing.assert_close(out.cpu(), expected, atol=ATOL, rtol=0)
+    out = run_extend(kernels, device, q, k_cache, v_cache, meta, scale)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
 
 
-def test_stage03_gives_the_same_logits_through_either_implementation(monkeypatch, model_dir):
+def test_stage03_gives_the_same_logits_through_either_implementation(monkeypatch, model_dir, device):
     """End to end on the embedded model: a prefill then decode steps across a block edge, both ways."""
-    engine = make_engine("03_paged_kv", model_dir, device=DEVICE, kv_cache_mb=8)
+    engine = make_engine("03_paged_kv", model_dir, device=device, kv_cache_mb=8)
     prompt = engine.encode("The primary colours are red, yellow and blue. Mixing two of them gives")
     assert 12 <= len(prompt) < 16  # the prefill fills most of block 1; decoding crosses into block 2
     logits: dict[str, torch.Tensor] = {}
@@ -205,9 +245,9 @@ def test_stage03_gives_the_same_logits_through_either_implementation(monkeypatch
     torch.testing.assert_close(logits["triton"], logits["torch"], atol=ATOL, rtol=0)
 
 
-def test_stage04_batches_give_the_same_tokens_through_either_implementation(monkeypatch, model_dir):
+def test_stage04_batches_give_the_same_tokens_through_either_implementation(monkeypatch, model_dir, device):
     """A ragged prefill of three prompts, then batched decode steps, with each implementation."""
-    engine = make_engine("04_continuous_batching", model_dir, device=DEVICE, kv_cache_mb=8)
+    engine = make_engine("04_continuous_batching", model_dir, device=device, kv_cache_mb=8)
     params = stage("04_continuous_batching", "sampler").SamplingParams(max_tokens=4, temperature=0.0)
     prompts = [engine.encode(p) for p in ("Hello", "The primary colours are red, yellow and", "def add(a, b):")]
     tokens = {}
@@ -226,13 +266,14 @@ SHAPES = [(64, 16, 1, 1), (80, 32, 2, 3), (128, 64, 1, 4), (96, 128, 1, 7), (112
 
 @pytest.mark.parametrize(("head_dim", "block_size", "num_kv_heads", "group"), SHAPES,
                          ids=[f"d{d}-s{s}-kv{k}-g{g}" for d, s, k, g in SHAPES])
-def test_kernels_take_any_head_size_block_size_and_group(attn, kernels, head_dim, block_size, num_kv_heads, group):
+def test_kernels_take_any_head_size_block_size_and_group(attn, kernels, head_dim, block_size, num_kv_heads, group,
+                                                        device):
     scale = 1 / math.sqrt(head_dim)
     seq_lens = [1, block_size + 1, 150]
     q, k_cache, v_cache, tables, lens, _ = paged_case(head_dim, seq_lens, block_size, num_kv_heads, group,
                                                       head_dim)
     expected = attn.decode_attention_reference(q, k_cache, v_cache, tables, lens, scale)
-    out = kernels.decode_attention(*[t.to(DEVICE) for t in (q, k_cache, v_cache, tables, lens)], scale)
+    out = kernels.decode_attention(*[t.to(device) for t in (q, k_cache, v_cache, tables, lens)], scale)
     torch.testing.assert_close(out.cpu(), expected, atol=ATOL, rtol=0)
 
     cached_new = [(0, 20), (block_size + 3, 5)]
@@ -241,23 +282,21 @@ def test_kernels_take_any_head_size_block_size_and_group(attn, kernels, head_dim
                                                    head_dim, num_queries=num_new)
     meta = extend_meta(attn, cached_new, tables)
     expected = attn.extend_attention_reference(q, k_cache, v_cache, meta, scale)
-    out = kernels.extend_attention(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE),
-                                   meta.query_start_loc.to(DEVICE), meta.seq_lens.to(DEVICE), tables.to(DEVICE),
-                                   meta.max_query_len, scale)
-    torch.testing.assert_close(out.cpu(), expected, atol=ATOL, rtol=0)
+    out = run_extend(kernels, device, q, k_cache, v_cache, meta, scale)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
 
 
 BF16_ATOL = 2e-2  # bfloat16 keeps 8 bits of mantissa: outputs of size ~1 round at about 4e-3, sums more
 
 
-def test_kernels_in_bfloat16_match_the_float32_reference(attn, kernels):
+def test_kernels_in_bfloat16_match_the_float32_reference(attn, kernels, device):
     """CUDA runs bfloat16. The kernels accumulate in float32 whatever the input; compared with the float32
     reference on the same (bfloat16-rounded) inputs, the outputs differ only by bfloat16 rounding."""
     scale = 1 / math.sqrt(64)
     q, k_cache, v_cache, tables, lens, _ = paged_case(5, [7, 40, 130], 16, 2, 3)
     q, k_cache, v_cache = (t.bfloat16() for t in (q, k_cache, v_cache))
     expected = attn.decode_attention_reference(q.float(), k_cache.float(), v_cache.float(), tables, lens, scale)
-    out = kernels.decode_attention(*[t.to(DEVICE) for t in (q, k_cache, v_cache, tables, lens)], scale)
+    out = kernels.decode_attention(*[t.to(device) for t in (q, k_cache, v_cache, tables, lens)], scale)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float().cpu(), expected, atol=BF16_ATOL, rtol=0)
 
@@ -266,7 +305,5 @@ def test_kernels_in_bfloat16_match_the_float32_reference(attn, kernels):
     q, k_cache, v_cache = (t.bfloat16() for t in (q, k_cache, v_cache))
     meta = extend_meta(attn, cached_new, tables)
     expected = attn.extend_attention_reference(q.float(), k_cache.float(), v_cache.float(), meta, scale)
-    out = kernels.extend_attention(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE),
-                                   meta.query_start_loc.to(DEVICE), meta.seq_lens.to(DEVICE), tables.to(DEVICE),
-                                   meta.max_query_len, scale)
-    torch.testing.assert_close(out.float().cpu(), expected, atol=BF16_ATOL, rtol=0)
+    out = run_extend(kernels, device, q, k_cache, v_cache, meta, scale)
+    torch.testing.assert_close(out.float(), expected, atol=BF16_ATOL, rtol=0)
