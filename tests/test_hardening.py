@@ -152,6 +152,24 @@ def test_a_failing_request_fails_alone(monkeypatch, folder, engine, server):
     assert (state["running"], state["waiting"], kv_used(server)) == (0, 0, 0)
 
 
+@pytest.mark.parametrize("bad", [[-1], [49152], [5, 2**40]], ids=["negative", "vocab-size", "huge"])
+def test_the_engine_itself_refuses_token_ids_outside_the_vocabulary(folder, engine, bad):
+    """Not only the server: on CUDA an out-of-range id reaching the embedding is a device-side assert
+    that poisons the GPU for every later request, so the engine checks whoever calls it."""
+    params = stage(folder, "sampler").SamplingParams(max_tokens=2, temperature=0.0)
+    invalid = stage(folder, "engine").InvalidRequest
+    assert engine.model.config.vocab_size == 49152
+    with pytest.raises(invalid, match="outside the vocabulary"):
+        if folder == "04_continuous_batching":
+            engine.add_request("bad-ids", bad, params)
+        else:
+            next(iter(engine.generate("bad-ids", bad, params)))
+    if folder == "04_continuous_batching":
+        assert "bad-ids" not in engine.sequences and not engine.scheduler.waiting
+    if folder != "02_streaming":
+        assert engine.block_manager.num_used == 0
+
+
 class Fatal(BaseException):
     """Not an Exception: nothing on the engine thread catches it, so the thread dies."""
 
