@@ -18,10 +18,11 @@ help:
 	@echo "make serve [STAGE=NN] start a stage's server on 127.0.0.1"
 	@echo "make bench [STAGE=NN] [QUICK=1]  benchmark a stage: results/<device>/NN_name.json + .png"
 	@echo "make soak [STAGE=NN]             waves of 256 streaming clients: every request whole, memory flat"
+	@echo "make notebook         open Jupyter Lab in notebooks/, to work through the benchmark notebooks"
 	@echo "make notebooks        re-run every notebook in notebooks/ and save its outputs"
 	@echo "make homework [STAGE=NN]         write a student copy to homework/NN_name/ (see its EXERCISES.md)"
 	@echo "make grade [STAGE=NN] [DIR=homework]  grade a copy: a score per exercise (DIR=. grades the reference)"
-	@echo "make test             run the whole test suite"
+	@echo "make test [STAGE=NN]  run the whole test suite, or with STAGE only the tests of that stage"
 	@echo "make gpu-check CUDA=1 on a GPU machine: the GPU suite, every demo on CUDA, short benchmarks -> results/cuda/"
 	@echo "make lint             ruff"
 
@@ -62,9 +63,14 @@ bench: install
 soak: install
 	$(PY) -m common.soak --stage $(STAGE)
 
-.PHONY: notebooks
+.PHONY: notebooks notebook
 notebooks: install
 	$(PY) -m common.notebooks
+
+# Jupyter Lab (from requirements.txt) in notebooks/; the notebooks' kernel is this virtual environment's Python.
+# As root (a container), Jupyter refuses to start without --allow-root.
+notebook: install
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
 # Homework: each ### BEGIN/END SOLUTION region of the stage becomes a stub; the marked tests grade a copy.
 DIR ?= homework
@@ -75,8 +81,12 @@ homework: install
 grade: install
 	$(PY) -m common.homework grade --stage $(STAGE) --dir $(DIR)
 
+# `make test STAGE=03`: only the tests that name the stage, by its folder (03_paged_kv: its own test file and
+# the stage's case of every test run over stages) or as stage03 (homework). STAGE must be on the command line:
+# its default (04, for `make demo`) does not narrow the suite.
 test: install
-	$(PY) -m pytest
+	$(PY) -m pytest $(if $(filter command line,$(origin STAGE)),$(if $(STAGE_DIR),-k "$(STAGE_DIR) or stage$(STAGE)",\
+		$(error no stage folder matches STAGE=$(STAGE))))
 
 # On a GPU machine: `pytest -m cuda`, each stage's demo with --device cuda (Triton and the PyTorch reference),
 # a short benchmark of every stage from 04 on. No model wheel needed: see common/gpu_check.py.

@@ -13,6 +13,20 @@ from dataclasses import dataclass
 import torch
 
 
+def kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, num_tokens: int, dtype: torch.dtype) -> int:
+    """Bytes that the keys and values of ``num_tokens`` tokens take in the cache: in every layer, one
+    key and one value vector of ``head_dim`` numbers per KV head, each number of ``dtype``."""
+    ### BEGIN SOLUTION 3.4
+    bytes_per_number = torch.tensor([], dtype=dtype).element_size()
+    return 2 * num_layers * num_kv_heads * head_dim * bytes_per_number * num_tokens
+    ### END SOLUTION
+
+
+def requests_that_fit(memory_bytes: int, bytes_per_request: int) -> int:
+    """How many requests of ``bytes_per_request`` of cache each fit in ``memory_bytes``: whole ones only."""
+    return memory_bytes // bytes_per_request
+
+
 @dataclass(frozen=True)
 class CacheShape:
     """What sizes a block: the model's attention geometry and the tokens per block."""
@@ -26,12 +40,12 @@ class CacheShape:
     @property
     def bytes_per_token(self) -> int:
         """K and V, every layer, every KV head: what one cached token costs."""
-        element = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+        return kv_cache_bytes(self.num_layers, self.num_kv_heads, self.head_dim, 1, self.dtype)
 
     @property
     def bytes_per_block(self) -> int:
-        return self.block_size * self.bytes_per_token
+        """What the pool is counted in: ``budget // bytes_per_block`` blocks."""
+        return kv_cache_bytes(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype)
 
 
 CPU_DEFAULT_MB = 512  # the pool on a CPU when --kv-cache-mb is 0 (auto)

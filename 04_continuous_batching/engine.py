@@ -203,6 +203,7 @@ class Engine:
         if seq.params.max_tokens == 0:  # only the prompt was to be scored (echo): the token is not used
             self._finish(seq)
             return RequestOutput(seq.request_id, [], "", "length", len(seq.prompt_ids), 0, [], prompt_logprobs)
+        ### BEGIN SOLUTION 4.4
         seq.output_ids.append(token_id)
         finish_reason = None
         if token_id in self.eos_token_ids and not seq.params.ignore_eos:
@@ -215,6 +216,7 @@ class Engine:
                 text, finish_reason = text + seq.detokenizer.flush(), "length"
         if finish_reason is not None:
             self._finish(seq)  # leaves the batch and frees its blocks at once
+        ### END SOLUTION
         return RequestOutput(seq.request_id, [token_id], text, finish_reason, len(seq.prompt_ids),
                              len(seq.output_ids), None if logprobs is None else [logprobs], prompt_logprobs)
 

@@ -2,7 +2,10 @@
 
 End-to-end latency, inter-token latency, output tokens/s and requests in flight, each plotted
 against the concurrency level on a log2 axis, so that the stages of the course overlay on one
-picture. Latencies show the mean (solid) and p99 (dotted).
+picture. Latencies show the mean (solid) and p99 (dotted). End-to-end latency is in seconds on a
+log scale: from one stage to the next it moves by orders of magnitude (a request alone takes a few
+seconds; queued behind 63 others on a one-at-a-time server, minutes), and on a linear axis the
+faster stage would lie flat along the bottom.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
 
 Result = dict[str, Any]
 Level = dict[str, Any]
@@ -34,26 +38,29 @@ def points(result: Result, value: Callable[[Level], float | None]) -> tuple[list
     return [c for c, _ in kept], [v for _, v in kept]
 
 
-def latency_ms(metric: str, stat: str) -> Callable[[Level], float | None]:
+def latency(metric: str, stat: str, scale: float = 1000) -> Callable[[Level], float | None]:
+    """A latency statistic of a level, multiplied by ``scale`` (1000: milliseconds, 1: seconds)."""
     def value(level: Level) -> float | None:
         stats = level[metric]
-        return None if stats is None else 1000 * stats[stat]
+        return None if stats is None else scale * stats[stat]
 
     return value
 
 
-def plot_latency(ax: Axes, results: list[Result], metric: str, title: str) -> None:
+def plot_latency(ax: Axes, results: list[Result], metric: str, title: str, unit: str = "ms") -> None:
+    """Mean and p99 of ``metric`` per level, in ``unit`` ("ms" or "s")."""
+    scale = {"ms": 1000, "s": 1}[unit]
     for i, result in enumerate(results):
         color = f"C{i}"
-        xs, means = points(result, latency_ms(metric, "mean"))
+        xs, means = points(result, latency(metric, "mean", scale))
         if not xs:  # e.g. ITL of a server that does not stream: say so instead of drawing nothing
             ax.text(0.02, 0.95 - 0.07 * i, f"{result['name']}: not streamed, no {title.lower()}",
                     transform=ax.transAxes, color=color, va="top", fontsize=8)
             continue
         ax.plot(xs, means, "o-", color=color, label=f"{result['name']} mean")
-        ax.plot(*points(result, latency_ms(metric, "p99")), ":", color=color, label=f"{result['name']} p99")
+        ax.plot(*points(result, latency(metric, "p99", scale)), ":", color=color, label=f"{result['name']} p99")
     ax.set_title(title)
-    ax.set_ylabel("ms")
+    ax.set_ylabel({"ms": "ms", "s": "seconds"}[unit])
 
 
 def plot_throughput(ax: Axes, results: list[Result]) -> None:
@@ -87,7 +94,9 @@ def plot_results(results: Sequence[Result | str | Path], out: str | Path) -> Pat
     fig = Figure(figsize=(12, 8.5), layout="constrained")
     FigureCanvasAgg(fig)
     e2e, itl, tps, in_flight = fig.subplots(2, 2).flat
-    plot_latency(e2e, loaded, "e2e_s", "End-to-end latency")
+    plot_latency(e2e, loaded, "e2e_s", "End-to-end latency (log scale)", unit="s")
+    e2e.set_yscale("log")
+    e2e.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))  # 0.1, 1, 10, not 10^-1, 10^0...
     plot_latency(itl, loaded, "itl_s", "Inter-token latency")
     plot_throughput(tps, loaded)
     plot_in_flight(in_flight, loaded)
@@ -96,7 +105,8 @@ def plot_results(results: Sequence[Result | str | Path], out: str | Path) -> Pat
         ax.set_xscale("log", base=2)
         ax.set_xticks(levels, [str(c) for c in levels])
         ax.set_xlabel("concurrency")
-        ax.set_ylim(bottom=0)  # a zoomed axis would make small changes look large
+        if ax.get_yscale() == "linear":
+            ax.set_ylim(bottom=0)  # a zoomed axis would make small changes look large
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 
 import httpx
+import pytest
+import torch
 
 from .conftest import REPO, make_engine, stage
 from .prompts import TEXT_PROMPTS
@@ -36,11 +38,15 @@ def test_seeded_sampling_repeats(engine03):
 # --- the pool and its blocks ------------------------------------------------------------------------
 
 
+@pytest.mark.exercise("3.4")
 def test_pool_is_sized_from_the_budget(engine03):
     cache, blocks = engine03.kv_cache, engine03.block_manager
     config = engine03.model.config
     # SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x K and V x 4 bytes = 46,080 bytes per token.
     assert cache.shape.bytes_per_token == 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
+    kv_cache_bytes = stage("03_paged_kv", "kv_cache").kv_cache_bytes  # exercise 3.4: what a block of 16 costs
+    assert cache.shape.bytes_per_block == kv_cache_bytes(config.num_layers, config.num_kv_heads, config.head_dim, 16,
+                                                         torch.float32)
     assert cache.num_blocks == 64 * 2**20 // cache.shape.bytes_per_block == blocks.num_blocks
     assert cache.num_bytes <= 64 * 2**20
     assert engine03.kv_capacity_tokens == blocks.num_blocks * 16

@@ -94,6 +94,118 @@ def test_a_seeded_request_gives_the_same_text_whatever_its_batch(engine04):
     assert engine04.generate([prompt], sampler.SamplingParams(max_tokens=16, temperature=0.8, seed=8))[0] != alone
 
 
+# --- the end of a sequence: EOS, max_tokens, stop strings (exercise 4.4) ------------------------------
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]  # greedy: a short answer, then EOS
+ROME = "The history of the Roman Empire"  # greedy: no EOS in 32 tokens, and "Roman" comes back
+
+
+def run_one(engine, request_id: str, prompt_ids: list[int], params) -> list:
+    """Run one request to its end through ``engine.step()``; its outputs, one per step."""
+    engine.add_request(request_id, prompt_ids, params)
+    outputs = []
+    for _ in range(params.max_tokens + 2):  # a bound: a sequence that never finishes fails here, not forever
+        for output in engine.step():
+            assert output.error is None, repr(output.error)
+            outputs.append(output)
+        if not engine.has_unfinished():
+            break
+    assert outputs and outputs[-1].finished, "the sequence did not finish"
+    assert request_id not in engine.sequences and engine.block_manager.num_used == 0  # it left; its blocks are back
+    return outputs
+
+
+def ids_of(outputs) -> list[int]:
+    return [t for output in outputs for t in output.token_ids]
+
+
+def text_of(outputs) -> str:
+    return "".join(output.text for output in outputs)
+
+
+def assert_one_token_per_step_then(outputs, finish_reason: str) -> None:
+    assert [len(o.token_ids) for o in outputs] == [1] * len(outputs)
+    assert [o.completion_tokens for o in outputs] == list(range(1, len(outputs) + 1))
+    assert [o.finish_reason for o in outputs] == [None] * (len(outputs) - 1) + [finish_reason]
+
+
+@pytest.mark.exercise("4.4")
+def test_eos_ends_a_sequence_with_stop_counted_but_not_shown(engine04, hf_greedy):
+    prompt_ids = engine04.encode_chat(FRANCE)
+    outputs = run_one(engine04, "eos", prompt_ids, greedy(64))
+    ids = ids_of(outputs)
+    assert ids == hf_greedy(prompt_ids, 64) and ids[-1] in engine04.eos_token_ids  # HF stops at the same EOS
+    assert_one_token_per_step_then(outputs, "stop")
+    text = text_of(outputs)
+    assert text == engine04.tokenizer.decode(ids, skip_special_tokens=True)
+    assert "Paris" in text and "<|im_end|>" not in text
+
+
+@pytest.mark.exercise("4.4")
+def test_ignore_eos_runs_past_the_eos_to_max_tokens(engine04, hf_greedy):
+    prompt_ids = engine04.encode_chat(FRANCE)
+    until_eos = hf_greedy(prompt_ids, 64)
+    outputs = run_one(engine04, "ignore-eos", prompt_ids, greedy(len(until_eos) + 4, ignore_eos=True))
+    ids = ids_of(outputs)
+    assert len(ids) == len(until_eos) + 4 and ids[: len(until_eos)] == until_eos  # the EOS, then 4 more
+    assert_one_token_per_step_then(outputs, "length")
+    assert text_of(outputs) == engine04.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.exercise("4.4")
+def test_max_tokens_ends_a_sequence_with_length(engine04, hf_greedy):
+    prompt_ids = engine04.encode(ROME)
+    outputs = run_one(engine04, "length", prompt_ids, greedy(8))
+    ids = ids_of(outputs)
+    assert ids == hf_greedy(prompt_ids, 32)[:8]
+    assert_one_token_per_step_then(outputs, "length")
+    assert text_of(outputs) == engine04.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.exercise("4.4")
+def test_a_stop_string_ends_with_stop_and_the_text_is_cut_before_it(engine04):
+    prompt_ids = engine04.encode(ROME)
+    full = text_of(run_one(engine04, "full", prompt_ids, greedy(32)))
+    assert "Roman" in full
+    outputs = run_one(engine04, "stop-string", prompt_ids, greedy(32, stop=["Roman"]))
+    assert_one_token_per_step_then(outputs, "stop")
+    assert len(outputs) < 32
+    assert text_of(outputs) == full[: full.index("Roman")]
+
+
+@pytest.mark.exercise("4.4")
+def test_text_held_back_for_a_stop_string_is_sent_when_max_tokens_ends_the_sequence(engine04):
+    """The last characters may be the start of a stop string that never comes: at the end they are text."""
+    prompt_ids = engine04.encode(ROME)
+    full = text_of(run_one(engine04, "full", prompt_ids, greedy(8)))
+    tail = full[-3:]
+    outputs = run_one(engine04, "held-back", prompt_ids, greedy(8, stop=[tail + "\u00a7\u00a7"]))
+    assert_one_token_per_step_then(outputs, "length")
+    assert text_of(outputs) == full and outputs[-1].text.endswith(tail)
+
+
+@pytest.mark.exercise("4.4")
+def test_a_finished_sequence_frees_its_blocks_while_the_others_run_on(engine04):
+    blocks = engine04.block_manager
+    engine04.add_request("short", engine04.encode(ROME), greedy(2, ignore_eos=True))
+    engine04.add_request("long", engine04.encode("Count: 1, 2, 3,"), greedy(12, ignore_eos=True))
+    short, long = engine04.sequences["short"], engine04.sequences["long"]
+    finished = {}
+    for _ in range(20):
+        for output in engine04.step():
+            assert output.error is None, repr(output.error)
+            if output.finished:
+                finished[output.request_id] = output
+        if "short" in finished:
+            break
+    assert finished["short"].finish_reason == "length" and finished["short"].completion_tokens == 2
+    assert "short" not in engine04.sequences and short.block_table == []
+    assert "long" not in finished and blocks.num_used == len(long.block_table) > 0  # only the long one holds blocks
+    while engine04.has_unfinished():
+        engine04.step()
+    assert blocks.num_used == 0 and len(long.output_ids) == 12
+
+
 def test_abort_frees_the_blocks_at_once(engine04):
     engine04.add_request("gone", engine04.encode("Count: 1, 2, 3,"), greedy(500, ignore_eos=True))
     for _ in range(5):
