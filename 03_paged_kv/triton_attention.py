@@ -5,9 +5,9 @@ oracle (on a CPU under ``TRITON_INTERPRET=1``, which runs each kernel in numpy o
 The reference says *what* is computed; these kernels are about doing it at the speed of the GPU's
 memory. Three ideas carry them:
 
-* **Tiles through the page table.** A tile of BLOCK_N keys (64 on a GPU) is read with one vector
-  of block ids, ``block_table[keys // block_size]``, whatever the block size: a 16-token page does not
-  mean 16-token loads.
+* **Tiles through the page table.** A tile of BLOCK_N keys (64 in decode; prefill's tiles are tuned) is
+  read with one vector of block ids, ``block_table[keys // block_size]``, whatever the block size: a
+  16-token page does not mean 16-token loads.
 * **Online softmax** (flash attention): a running (max, sum) per query row, rescaled as each tile
   arrives, so the [queries, keys] score matrix never exists in memory. Scores live in base 2
   (``exp2``, with log2(e) folded into the scale): the GPU's native exponential.

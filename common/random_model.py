@@ -64,7 +64,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m common.random_model", description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", nargs="?", type=Path, help=f"where to build it (default: <cache>/models/{NAME})")
     parser.add_argument("--seed", type=int, default=0)
-    print(random_model_dir(parser.parse_args().folder, parser.parse_args().seed))
+    args = parser.parse_args()
+    print(random_model_dir(args.folder, args.seed))
 
 
 if __name__ == "__main__":
