@@ -7,6 +7,7 @@ import time
 from common.cli import DEMO_PROMPTS, config_from_args, served_name, stage_parser
 from common.device import DeviceUnavailable
 from common.limits import Limits, add_limit_args
+from common.trace import Tracer, add_trace_args
 
 from .config import EngineConfig
 from .engine import AsyncEngine, Engine
@@ -32,6 +33,7 @@ def demo(engine: Engine, max_tokens: int) -> None:
 def main() -> None:
     parser = stage_parser(__package__, EngineConfig)
     add_limit_args(parser)
+    add_trace_args(parser)
     args = parser.parse_args()
     try:
         engine = Engine(config_from_args(EngineConfig, args))
@@ -45,7 +47,8 @@ def main() -> None:
 
     from .server import create_app
 
-    app = create_app(AsyncEngine(engine), served_name(args.model), Limits.from_args(args))
+    app = create_app(AsyncEngine(engine), served_name(args.model), Limits.from_args(args),
+                     Tracer.from_args(args))
     uvicorn.run(app, host=args.host, port=args.port)
 
 

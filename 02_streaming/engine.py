@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.cache_utils import Cache
 
 from common.device import pick_device, pick_dtype
+from common.trace import RequestTrace
 from common.weights import resolve_model
 
 from .config import EngineConfig
@@ -113,7 +114,8 @@ class Engine:
 
     # --- the generation loop --------------------------------------------------------------
     @torch.inference_mode()
-    def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Iterator[RequestOutput]:
+    def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 trace: RequestTrace | None = None) -> Iterator[RequestOutput]:
         """Prefill, then decode one token per step until EOS, a stop string or ``max_tokens``.
 
         Yields after every token. Whoever iterates may simply stop (a client went away): the
@@ -123,8 +125,10 @@ class Engine:
         generator = make_generator(params.seed, self.device)
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
         output_ids: list[int] = []
+        trace = trace or RequestTrace()  # spans, when the server runs with --trace
 
-        all_logits, cache = self.prefill(prompt_ids)
+        with trace.span("prefill"):
+            all_logits, cache = self.prefill(prompt_ids)
         logits = all_logits[-1]  # [V]: predicts the first new token
         prompt_logprobs = None  # paid for only when asked: scoring T positions costs T log-softmaxes
         if params.prompt_logprobs is not None:
@@ -137,20 +141,22 @@ class Engine:
             logprobs = None if params.logprobs is None else compute_logprobs(logits[None], [token_id], params.logprobs)
             output_ids.append(token_id)
             finish_reason = None
-            if token_id in self.eos_token_ids and not params.ignore_eos:
-                text, finish_reason = detokenizer.flush(), "stop"
-            else:
-                text = detokenizer.add(token_id)
-                if detokenizer.stopped:
-                    finish_reason = "stop"
-                elif len(output_ids) == params.max_tokens:
-                    text, finish_reason = text + detokenizer.flush(), "length"
+            with trace.span("detokenize"):  # the text of the token, and the stop checks
+                if token_id in self.eos_token_ids and not params.ignore_eos:
+                    text, finish_reason = detokenizer.flush(), "stop"
+                else:
+                    text = detokenizer.add(token_id)
+                    if detokenizer.stopped:
+                        finish_reason = "stop"
+                    elif len(output_ids) == params.max_tokens:
+                        text, finish_reason = text + detokenizer.flush(), "length"
             yield RequestOutput(request_id, [token_id], text, finish_reason, len(prompt_ids), len(output_ids),
                                 logprobs, prompt_logprobs)
             if finish_reason is not None:
                 return
             prompt_logprobs = None  # the first output carries them
-            logits, cache = self.decode_one_token(token_id, cache)
+            with trace.span("decode"):
+                logits, cache = self.decode_one_token(token_id, cache)
 
 
 class AsyncEngine:
@@ -192,7 +198,8 @@ class AsyncEngine:
         return self._engine.encode_chat(messages)
 
     # --- the HTTP side (asyncio) ----------------------------------------------------------
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       trace: RequestTrace | None = None) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs as the engine thread produces them.
 
         A failure arrives as an output with ``error`` set (the last one). If the consumer stops early
@@ -200,7 +207,8 @@ class AsyncEngine:
         and the engine thread drops it at its next step.
         """
         self._next_id += 1
-        request = Request(f"req-{self._next_id}", prompt_ids, params, loop=asyncio.get_running_loop())
+        request = Request(f"req-{self._next_id}", prompt_ids, params, loop=asyncio.get_running_loop(),
+                          trace=trace or RequestTrace())
         with self._lock:
             stopped = self._stopped
             if not stopped:
@@ -249,6 +257,7 @@ class AsyncEngine:
                 request.state = "running"
                 self.metrics.waiting.dec()
                 self.metrics.running.inc()
+            started = time.perf_counter()
             try:
                 self._serve(request)
             except torch.AcceleratorError as exc:  # a CUDA error is sticky: every later request would fail too
@@ -260,6 +269,7 @@ class AsyncEngine:
                 self._fail(request, EngineStopped("the engine stopped while serving this request"))
                 raise
             finally:
+                self.metrics.engine_busy.inc(time.perf_counter() - started)  # its rate: the busy fraction
                 with self._lock:
                     if request.state == "running":
                         request.state = "finished"
@@ -268,7 +278,7 @@ class AsyncEngine:
     def _serve(self, request: Request) -> None:
         self.metrics.prompt_tokens.inc(len(request.prompt_ids))
         last_token_time = request.arrival_time
-        for output in self._engine.generate(request.request_id, request.prompt_ids, request.params):
+        for output in self._engine.generate(request.request_id, request.prompt_ids, request.params, request.trace):
             now = time.perf_counter()
             if output.completion_tokens == 1:
                 self.metrics.ttft.observe(now - request.arrival_time)

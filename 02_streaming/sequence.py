@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
+from common.trace import RequestTrace
+
 from .sampler import SamplingParams, TokenLogprobs
 
 
@@ -47,3 +49,4 @@ class Request:
     # waiting -> running -> finished, or -> aborted when the client goes away (the engine checks
     # before every decode step). Moves happen under AsyncEngine's lock.
     state: Literal["waiting", "running", "finished", "aborted"] = "waiting"
+    trace: RequestTrace = field(default_factory=RequestTrace)  # spans, when the server runs with --trace

@@ -23,6 +23,7 @@ import torch
 from transformers import AutoTokenizer
 
 from common.device import pick_device, pick_dtype
+from common.trace import RequestTrace
 from common.weights import resolve_model
 
 from .attention import AttentionMetadata, use_triton
@@ -176,7 +177,8 @@ class Engine:
 
     # --- the generation loop --------------------------------------------------------------
     @torch.inference_mode()
-    def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Iterator[RequestOutput]:
+    def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 trace: RequestTrace | None = None) -> Iterator[RequestOutput]:
         """Prefill, then decode one token per step until EOS, a stop string or ``max_tokens``.
 
         Yields after every token. Whoever iterates may simply stop (a client went away): closing
@@ -186,9 +188,11 @@ class Engine:
         generator = make_generator(params.seed, self.device)
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
         output_ids: list[int] = []
+        trace = trace or RequestTrace()  # spans, when the server runs with --trace
         block_table: list[int] = []
         try:
-            logits, prompt_logits = self.prefill(prompt_ids, block_table, params.prompt_logprobs is not None)
+            with trace.span("prefill"):
+                logits, prompt_logits = self.prefill(prompt_ids, block_table, params.prompt_logprobs is not None)
             prompt_logprobs = None  # paid for only when asked (echo): T - 1 more rows of logits
             if prompt_logits is not None:
                 prompt_logprobs = compute_logprobs(prompt_logits, prompt_ids[1:], params.prompt_logprobs)
@@ -202,21 +206,23 @@ class Engine:
                     logprobs = compute_logprobs(logits[None], [token_id], params.logprobs)
                 output_ids.append(token_id)
                 finish_reason = None
-                if token_id in self.eos_token_ids and not params.ignore_eos:
-                    text, finish_reason = detokenizer.flush(), "stop"
-                else:
-                    text = detokenizer.add(token_id)
-                    if detokenizer.stopped:
-                        finish_reason = "stop"
-                    elif len(output_ids) == params.max_tokens:
-                        text, finish_reason = text + detokenizer.flush(), "length"
+                with trace.span("detokenize"):  # the text of the token, and the stop checks
+                    if token_id in self.eos_token_ids and not params.ignore_eos:
+                        text, finish_reason = detokenizer.flush(), "stop"
+                    else:
+                        text = detokenizer.add(token_id)
+                        if detokenizer.stopped:
+                            finish_reason = "stop"
+                        elif len(output_ids) == params.max_tokens:
+                            text, finish_reason = text + detokenizer.flush(), "length"
                 yield RequestOutput(request_id, [token_id], text, finish_reason, len(prompt_ids), len(output_ids),
                                     logprobs, prompt_logprobs)
                 if finish_reason is not None:
                     return
                 prompt_logprobs = None  # the first output carries them
                 position = len(prompt_ids) + len(output_ids) - 1  # the sampled token's own position
-                logits = self.decode_one_token(token_id, position, block_table)
+                with trace.span("decode"):
+                    logits = self.decode_one_token(token_id, position, block_table)
         finally:
             self.block_manager.free(block_table)
 
@@ -263,7 +269,8 @@ class AsyncEngine:
         return self._engine.encode_chat(messages)
 
     # --- the HTTP side (asyncio) ----------------------------------------------------------
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       trace: RequestTrace | None = None) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs as the engine thread produces them.
 
         A failure arrives as an output with ``error`` set (the last one). If the consumer stops early
@@ -271,7 +278,8 @@ class AsyncEngine:
         and the engine thread drops it at its next step.
         """
         self._next_id += 1
-        request = Request(f"req-{self._next_id}", prompt_ids, params, loop=asyncio.get_running_loop())
+        request = Request(f"req-{self._next_id}", prompt_ids, params, loop=asyncio.get_running_loop(),
+                          trace=trace or RequestTrace())
         with self._lock:
             stopped = self._stopped
             if not stopped:
@@ -320,6 +328,7 @@ class AsyncEngine:
                 request.state = "running"
                 self.metrics.waiting.dec()
                 self.metrics.running.inc()
+            started = time.perf_counter()
             try:
                 self._serve(request)
             except torch.AcceleratorError as exc:  # a CUDA error is sticky: every later request would fail too
@@ -331,6 +340,7 @@ class AsyncEngine:
                 self._fail(request, EngineStopped("the engine stopped while serving this request"))
                 raise
             finally:
+                self.metrics.engine_busy.inc(time.perf_counter() - started)  # its rate: the busy fraction
                 self._kv_blocks = self._engine.kv_blocks()  # its blocks are back in the pool
                 with self._lock:
                     if request.state == "running":
@@ -341,7 +351,8 @@ class AsyncEngine:
         self.metrics.prompt_tokens.inc(len(request.prompt_ids))
         last_token_time = request.arrival_time
         # closing(): leaving early (an abort) closes the generator at once, so its blocks return now.
-        with closing(self._engine.generate(request.request_id, request.prompt_ids, request.params)) as outputs:
+        outputs = self._engine.generate(request.request_id, request.prompt_ids, request.params, request.trace)
+        with closing(outputs):
             for output in outputs:
                 now = time.perf_counter()
                 if output.completion_tokens == 1:

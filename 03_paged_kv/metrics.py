@@ -28,6 +28,9 @@ class Metrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("llm_inter_token_latency_seconds", "Time between two tokens of a request.",
                              buckets=LATENCY_BUCKETS, registry=r)
+        # Busy is not efficient: a step of one sequence counts as much as a step of 64.
+        self.engine_busy = Counter("llm_engine_busy_seconds", "Seconds the engine thread spent computing "
+                                   "(not waiting for work); its rate is the engine's busy fraction.", registry=r)
 
         self.kv_blocks_used = Gauge("llm_kv_blocks_used", "KV-cache blocks held by sequences.", registry=r)
         self.kv_blocks_free = Gauge("llm_kv_blocks_free", "KV-cache blocks on the free list.", registry=r)

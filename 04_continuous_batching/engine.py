@@ -24,6 +24,7 @@ import torch
 from transformers import AutoTokenizer
 
 from common.device import pick_device, pick_dtype
+from common.trace import RequestTrace
 from common.weights import resolve_model
 
 from .block_manager import BlockManager
@@ -140,12 +141,13 @@ class Engine:
             raise InvalidRequest(f"{len(prompt_ids)} prompt + {params.max_tokens} new tokens exceed the "
                                  f"{self.kv_capacity_tokens} tokens of the KV cache")
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    trace: RequestTrace | None = None) -> None:
         """Queue a request; it joins the batch at a coming step. Raises InvalidRequest if it cannot run."""
         assert request_id not in self.sequences, f"duplicate request id {request_id}"
         self.check_request(prompt_ids, params)
         seq = Sequence(request_id, list(prompt_ids), params, make_generator(params.seed, self.device),
-                       IncrementalDetokenizer(self.tokenizer, params.stop))
+                       IncrementalDetokenizer(self.tokenizer, params.stop), trace=trace or RequestTrace())
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
 
@@ -165,6 +167,7 @@ class Engine:
     # --- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass for the whole batch, sample, and report every sequence's new token."""
+        started = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
@@ -185,14 +188,17 @@ class Engine:
                 # stops, and the server says so (503) instead of answering each request with a 500.
                 raise EngineStopped(f"the GPU failed: {exc}") from exc
             return [self._fail(seq, exc) for seq in batch.seqs]
+        kind, ended = "prefill" if batch.is_prefill else "decode", time.perf_counter()
         outputs = []
         for i, seq in enumerate(batch.seqs):
+            seq.trace.add(kind, started, ended)  # the whole step: the sequence waited for all of the batch
             try:
                 prompt_logprobs = None
                 if scored is not None and step.num_prompt_logits[i]:
                     ks = [seq.params.prompt_logprobs] * step.num_prompt_logits[i]
                     prompt_logprobs = compute_logprobs(scored[i], seq.prompt_ids[1:], ks)
-                outputs.append(self._append(seq, token_ids[i], logprobs[i], prompt_logprobs))
+                with seq.trace.span("detokenize"):
+                    outputs.append(self._append(seq, token_ids[i], logprobs[i], prompt_logprobs))
             except Exception as exc:  # this sequence's own work (its text, its stop strings): only it fails
                 outputs.append(self._fail(seq, exc))
         return outputs
@@ -308,7 +314,8 @@ class AsyncEngine:
         return self._engine.encode_chat(messages)
 
     # --- the HTTP side (asyncio) ----------------------------------------------------------
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       trace: RequestTrace | None = None) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs as the engine thread produces them.
 
         A failure arrives as an output with ``error`` set (the last one). If the consumer stops
@@ -316,7 +323,8 @@ class AsyncEngine:
         thread to drop the request, which frees its blocks.
         """
         self._next_id += 1
-        request = Request(f"req-{self._next_id}", prompt_ids, params, loop=asyncio.get_running_loop())
+        request = Request(f"req-{self._next_id}", prompt_ids, params, loop=asyncio.get_running_loop(),
+                          trace=trace or RequestTrace())
         with self._lock:
             stopped = self._stopped
             if not stopped:
@@ -361,7 +369,9 @@ class AsyncEngine:
             # Idle: sleep until something arrives. Busy: take what has arrived, without waiting.
             if not self._drain_inbox(block=not self._engine.has_unfinished()):
                 return
+            started = time.perf_counter()
             outputs = self._engine.step()
+            self.metrics.engine_busy.inc(time.perf_counter() - started)  # its rate: the busy fraction
             self._stats = self._engine.stats()
             scheduler = self._engine.scheduler
             self.metrics.preemptions.inc(scheduler.num_preemptions - self._preemptions_seen)
@@ -395,7 +405,7 @@ class AsyncEngine:
 
     def _add(self, request: Request) -> None:
         try:
-            self._engine.add_request(request.request_id, request.prompt_ids, request.params)
+            self._engine.add_request(request.request_id, request.prompt_ids, request.params, request.trace)
         except InvalidRequest as exc:
             self._deliver(request, RequestOutput.failed(request.request_id, exc, len(request.prompt_ids)))
             return

@@ -28,6 +28,9 @@ class Metrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("llm_inter_token_latency_seconds", "Time between two tokens of a request.",
                              buckets=LATENCY_BUCKETS, registry=r)
+        # Busy is not efficient: a step of one sequence counts as much as a step of 64.
+        self.engine_busy = Counter("llm_engine_busy_seconds", "Seconds the engine thread spent computing "
+                                   "(not waiting for work); its rate is the engine's busy fraction.", registry=r)
 
         self.preemptions = Counter("llm_preemptions", "Sequences preempted (blocks taken back, to be recomputed).",
                                    registry=r)

@@ -10,6 +10,8 @@ from enum import Enum
 
 import torch
 
+from common.trace import RequestTrace
+
 from .detokenizer import IncrementalDetokenizer
 from .sampler import SamplingParams, TokenLogprobs
 
@@ -58,6 +60,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache (back to 0 when preempted)
     status: SequenceStatus = SequenceStatus.WAITING
+    trace: RequestTrace = field(default_factory=RequestTrace)  # spans, when the server runs with --trace
 
     @property
     def token_ids(self) -> list[int]:
@@ -96,3 +99,4 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     last_token_time: float = 0.0
     finished: bool = False
+    trace: RequestTrace = field(default_factory=RequestTrace)

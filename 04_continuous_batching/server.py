@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import asdict
@@ -18,6 +19,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
+from starlette.background import BackgroundTask
 
 from common.errors import add_error_handlers
 from common.limits import Limits, add_limits
@@ -44,6 +46,7 @@ from common.protocol import (
     now,
     resolve_max_tokens,
 )
+from common.trace import NO_TRACE, RequestTrace, Tracer
 
 from . import TITLE
 from .detokenizer import IncrementalDetokenizer
@@ -63,7 +66,8 @@ GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def create_app(engine: AsyncEngine, model_name: str, limits: Limits | None = None) -> FastAPI:
+def create_app(engine: AsyncEngine, model_name: str, limits: Limits | None = None,
+               tracer: Tracer = NO_TRACE) -> FastAPI:
     tokenizer = engine.tokenizer
     max_model_len = engine.max_model_len
 
@@ -133,17 +137,19 @@ def create_app(engine: AsyncEngine, model_name: str, limits: Limits | None = Non
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=GENERATION_RESPONSES)
     async def completions(req: CompletionRequest, raw: Request) -> Response:
-        if isinstance(req.prompt, str):
-            prompt_ids = engine.encode(req.prompt)
-        else:
-            check_token_ids(req.prompt, len(tokenizer))
-            prompt_ids = req.prompt
+        rid, created = new_id("cmpl"), now()
+        trace = tracer.new(rid)
+        with trace.span("tokenize"):
+            if isinstance(req.prompt, str):
+                prompt_ids = engine.encode(req.prompt)
+            else:
+                check_token_ids(req.prompt, len(tokenizer))
+                prompt_ids = req.prompt
         # Prompt logprobs cost a log-softmax per prompt position: computed only for echo + logprobs.
         prompt_logprobs = req.logprobs if req.echo else None
         params = sampling_params(req, prompt_ids, req.max_tokens, req.logprobs, prompt_logprobs)
         writer = AnswerWriter(decode, req.logprobs is not None, echo_of(prompt_ids) if req.echo else None)
-        outputs = engine.generate(prompt_ids, params)
-        rid, created = new_id("cmpl"), now()
+        outputs = engine.generate(prompt_ids, params, trace)
 
         def chunk(step: list[RequestOutput] | None, usage: Usage | None = None) -> CompletionResponse:
             """A chunk (or the whole answer) with the text and logprobs of ``step``; None: the usage chunk."""
@@ -154,19 +160,21 @@ def create_app(engine: AsyncEngine, model_name: str, limits: Limits | None = Non
             return CompletionResponse(id=rid, created=created, model=model_name, choices=choices, usage=usage)
 
         if req.stream:
-            return sse_response(outputs, [], chunk, req.include_usage)
+            return sse_response(outputs, [], chunk, req.include_usage, trace)
         if (everything := await collect(outputs, raw)) is None:
             return client_gone()
-        return JSONResponse(chunk(everything, usage_of(everything[-1])).model_dump())
+        return respond(chunk(everything, usage_of(everything[-1])), trace)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=GENERATION_RESPONSES)
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
-        prompt_ids = engine.encode_chat([{"role": m.role, "content": m.text()} for m in req.messages])
+        rid, created = new_id("chatcmpl"), now()
+        trace = tracer.new(rid)
+        with trace.span("tokenize"):
+            prompt_ids = engine.encode_chat([{"role": m.role, "content": m.text()} for m in req.messages])
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(req, prompt_ids, req.output_limit, logprobs)
         writer = AnswerWriter(decode, req.logprobs)
-        outputs = engine.generate(prompt_ids, params)
-        rid, created = new_id("chatcmpl"), now()
+        outputs = engine.generate(prompt_ids, params, trace)
 
         def chunk(step: list[RequestOutput] | None, usage: Usage | None = None) -> ChatCompletionChunk:
             choices = []
@@ -180,7 +188,7 @@ def create_app(engine: AsyncEngine, model_name: str, limits: Limits | None = Non
             # The first chunk names the role, as OpenAI's does; content follows.
             opening = ChatCompletionChunk(id=rid, created=created, model=model_name,
                                           choices=[ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
-            return sse_response(outputs, [opening], chunk, req.include_usage)
+            return sse_response(outputs, [opening], chunk, req.include_usage, trace)
         if (everything := await collect(outputs, raw)) is None:
             return client_gone()
         text, logprobs = writer.chat(everything)
@@ -190,7 +198,7 @@ def create_app(engine: AsyncEngine, model_name: str, limits: Limits | None = Non
                                 finish_reason=everything[-1].finish_reason)],
             usage=usage_of(everything[-1]),
         )
-        return JSONResponse(response.model_dump())
+        return respond(response, trace)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
@@ -212,6 +220,11 @@ def create_app(engine: AsyncEngine, model_name: str, limits: Limits | None = Non
 def client_gone() -> Response:
     """The answer to a client that has left: nobody reads it (499 is nginx's "client closed request")."""
     return Response(status_code=499)
+
+
+def respond(payload: BaseModel, trace: RequestTrace) -> JSONResponse:
+    """The whole answer as JSON; the request's trace is written once it has been sent."""
+    return JSONResponse(payload.model_dump(), background=BackgroundTask(trace.finish, time.perf_counter()))
 
 
 def usage_of(output: RequestOutput) -> Usage:
@@ -242,6 +255,7 @@ def sse_response(
     first: list[BaseModel],
     chunk: Callable[..., BaseModel],
     include_usage: bool,
+    trace: RequestTrace,
 ) -> StreamingResponse:
     """Stream ``first``, then a chunk per group of outputs that has text to send, then usage if asked.
 
@@ -278,7 +292,8 @@ def sse_response(
             await outputs.aclose()
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return StreamingResponse(trace.sending(events()), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
 
 
 async def collect(outputs: AsyncIterator[RequestOutput], raw: Request) -> list[RequestOutput] | None:

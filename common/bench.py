@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
@@ -38,6 +39,7 @@ import httpx
 from .cli import served_name
 from .loadgen import PROMPTS, LevelResult, Workload, probe_streaming, run_sweep, warm_up
 from .plots import plot_results
+from .trace import read_traces
 from .weights import DEFAULT_MODEL
 
 REPO = Path(__file__).resolve().parent.parent
@@ -203,6 +205,30 @@ def stage_server(command: list[str], url: str) -> Iterator[subprocess.Popen[byte
     finally:
         stop_server(server)
     log.unlink()  # kept only when something went wrong, for the error message's reader
+
+
+def traced_requests(stage: str, prompts: list[str], max_tokens: int = 16) -> list[dict[str, Any]]:
+    """Serve ``stage`` with ``--trace``, send every prompt at once (streamed, greedy, ``max_tokens`` each)
+    and return the requests' traces (see common/trace.py), in the order they finished."""
+    folder = stage_folder(stage)
+    trace_file = Path(tempfile.mkdtemp(prefix="trace-")) / "traces.jsonl"
+    url = f"http://127.0.0.1:{(port := free_port())}"
+    body = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+
+    def send(prompt: str) -> None:
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "prompt": prompt}, timeout=600) as response:
+            response.raise_for_status()
+            response.read()
+
+    with stage_server([sys.executable, "-m", folder, "--port", str(port), "--trace", str(trace_file)], url):
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            list(pool.map(send, prompts))
+        deadline = time.monotonic() + 10  # a trace is written just after its response has gone out
+        while len(traces := read_traces(trace_file) if trace_file.exists() else []) < len(prompts):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(traces)} of {len(prompts)} traces in {trace_file}")
+            time.sleep(0.05)
+    return traces
 
 
 def exit_on_sigterm() -> None:

@@ -10,7 +10,10 @@ closed loop: as soon as one finishes, the next starts). For every request we rec
 
 While a level runs, a sampler asks the server every ~100 ms how many requests it holds
 (``llm_requests_running + llm_requests_waiting`` from GET /metrics). A server without /metrics
-(stage 01) gets the client's own count instead, and the result says which one it is.
+(stage 01) gets the client's own count instead, and the result says which one it is. Before and
+after the level it reads the engine's busy seconds (``llm_engine_busy_seconds_total``, stages 02
+on): their difference over the level's wall time is the engine's busy fraction, the nearest thing
+a CPU server has to a GPU-utilization panel.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ SAMPLE_PERIOD_S = 0.1
 # an outside server is measured the same way.
 RUNNING_METRICS = ("llm_requests_running", "vllm:num_requests_running")
 WAITING_METRICS = ("llm_requests_waiting", "vllm:num_requests_waiting")
+BUSY_METRIC = "llm_engine_busy_seconds_total"  # the course's stages (02 on): seconds the engine computed
 
 InFlightSource = Literal["server", "client"]
 
@@ -127,6 +131,7 @@ class LevelResult:
     wall_s: float
     records: list[RequestRecord]
     in_flight: InFlight
+    engine_busy: float | None = None  # share of the level's wall time the engine spent computing (02 on)
 
     def summary(self) -> dict[str, Any]:
         """The level's aggregates; latencies over the requests that succeeded."""
@@ -148,6 +153,7 @@ class LevelResult:
             "itl_s": stats("itl_s"),
             "e2e_s": stats("e2e_s"),
             "in_flight": {"source": self.in_flight.source, "mean": self.in_flight.mean, "max": self.in_flight.max},
+            "engine_busy": self.engine_busy,
         }
 
 
@@ -227,13 +233,31 @@ def parse_in_flight(metrics_text: str) -> int | None:
     return round(total) if found else None
 
 
-async def server_in_flight(client: httpx.AsyncClient) -> int | None:
-    """The server's in-flight count, or None if it has no usable GET /metrics."""
+async def server_metrics(client: httpx.AsyncClient) -> str | None:
+    """The server's GET /metrics page, or None if it has none."""
     try:
         response = await client.get("/metrics", timeout=5)
     except httpx.HTTPError:
         return None
-    return parse_in_flight(response.text) if response.status_code == 200 else None
+    return response.text if response.status_code == 200 else None
+
+
+async def server_in_flight(client: httpx.AsyncClient) -> int | None:
+    """The server's in-flight count, or None if it has no usable GET /metrics."""
+    return None if (text := await server_metrics(client)) is None else parse_in_flight(text)
+
+
+def parse_counter(metrics_text: str, name: str) -> float | None:
+    """The value of an unlabelled counter in a Prometheus text page, or None if the page has none."""
+    for line in metrics_text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+async def server_busy_s(client: httpx.AsyncClient) -> float | None:
+    """Seconds the server's engine has spent computing since it started, or None if it does not say."""
+    return None if (text := await server_metrics(client)) is None else parse_counter(text, BUSY_METRIC)
 
 
 @dataclass
@@ -272,6 +296,7 @@ async def run_level(workload: Workload, concurrency: int, num_requests: int, des
         # Ask /metrics once before the load starts: a one-at-a-time server (stage 01) could not
         # answer it during the level anyway, and has none.
         source: InFlightSource = "server" if await server_in_flight(client) is not None else "client"
+        busy_before = await server_busy_s(client) if source == "server" else None
         in_flight, count, done = InFlight(source), ClientCount(), asyncio.Event()
         gate = asyncio.Semaphore(concurrency)
         bar = tqdm(total=num_requests, desc=desc or f"concurrency {concurrency}", unit="req", leave=False)
@@ -294,7 +319,10 @@ async def run_level(workload: Workload, concurrency: int, num_requests: int, des
             done.set()
             await sampler
             bar.close()
-    return LevelResult(concurrency, wall_s, list(records), in_flight)
+        # The engine's busy fraction: how much of the level it spent computing rather than waiting for work.
+        busy_after = await server_busy_s(client) if busy_before is not None else None
+        engine_busy = None if busy_after is None else min(1.0, (busy_after - busy_before) / wall_s)
+    return LevelResult(concurrency, wall_s, list(records), in_flight, engine_busy)
 
 
 async def run_sweep(workload: Workload, levels: list[int], requests_per_level: int,
@@ -314,7 +342,9 @@ def format_summary(s: dict[str, Any]) -> str:
 
     return (f"concurrency {s['concurrency']:3d}: {s['output_tokens_per_s']:7.1f} tok/s, "
             f"TTFT {ms(s['ttft_s'])} ms, ITL {ms(s['itl_s'])} ms, e2e {ms(s['e2e_s'])} ms, "
-            f"in flight {s['in_flight']['mean'] or 0:5.1f} ({s['in_flight']['source']}), errors {s['errors']}")
+            f"in flight {s['in_flight']['mean'] or 0:5.1f} ({s['in_flight']['source']}), "
+            + ("" if s.get("engine_busy") is None else f"engine busy {100 * s['engine_busy']:3.0f}%, ")
+            + f"errors {s['errors']}")
 
 
 async def probe_streaming(url: str, model: str | None, extra_body: dict[str, Any] | None = None) -> bool:

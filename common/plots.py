@@ -1,11 +1,11 @@
 """The standard benchmark figure: four panels against concurrency, one line per result file.
 
-End-to-end latency, inter-token latency, output tokens/s and requests in flight, each plotted
-against the concurrency level on a log2 axis, so that the stages of the course overlay on one
-picture. Latencies show the mean (solid) and p99 (dotted). End-to-end latency is in seconds on a
-log scale: from one stage to the next it moves by orders of magnitude (a request alone takes a few
-seconds; queued behind 63 others on a one-at-a-time server, minutes), and on a linear axis the
-faster stage would lie flat along the bottom.
+End-to-end latency, inter-token latency, output tokens/s and requests in flight (with the engine's
+busy fraction where the server reports it), each plotted against the concurrency level on a log2
+axis, so that the stages of the course overlay on one picture. Latencies show the mean (solid) and
+p99 (dotted). End-to-end latency is in seconds on a log scale: from one stage to the next it moves
+by orders of magnitude (a request alone takes a few seconds; queued behind 63 others on a
+one-at-a-time server, minutes), and on a linear axis the faster stage would lie flat along the bottom.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter
 
 Result = dict[str, Any]
@@ -71,14 +72,32 @@ def plot_throughput(ax: Axes, results: list[Result]) -> None:
     ax.set_ylabel("tokens/s")
 
 
+def busy_percent(level: Level) -> float | None:
+    """The engine's busy fraction in percent; None for a server (or an older result) that has none."""
+    busy = level.get("engine_busy")
+    return None if busy is None else 100 * busy
+
+
 def plot_in_flight(ax: Axes, results: list[Result]) -> None:
-    """Mean in-flight count per level. A server-side count shows how many the server really held."""
+    """Mean in-flight count per level (a server-side count shows how many the server really held) and, on
+    the right axis, the engine's busy fraction (dashed), for the servers that report it (stages 02 on).
+
+    The busy fraction is what a GPU-utilization panel shows: the share of time the engine was computing.
+    Busy is not efficient: a one-at-a-time server is busy all the time and still serves one request."""
+    busy_ax = None
     for i, result in enumerate(results):
         sources = {level["in_flight"]["source"] for level in result["levels"]}
         label = result["name"] + ("" if sources == {"server"} else " (client-side count)")
         ax.plot(*points(result, lambda level: level["in_flight"]["mean"]), "o-", color=f"C{i}", label=label)
-    ax.set_title("Requests in flight (mean)")
+        xs, busy = points(result, busy_percent)
+        if xs:
+            busy_ax = busy_ax or ax.twinx()
+            busy_ax.plot(xs, busy, "s--", color=f"C{i}", alpha=0.6, label=f"{result['name']} engine busy")
+    ax.set_title("Requests in flight (mean); engine busy % (dashed)")
     ax.set_ylabel("requests")
+    if busy_ax is not None:
+        busy_ax.set_ylim(0, 105)
+        busy_ax.set_ylabel("engine busy (% of wall time)")
 
 
 def subtitle(results: list[Result]) -> str:
@@ -130,4 +149,27 @@ def plot_request_timeline(ax: Axes, level: Level, title: str, max_requests: int 
     ax.invert_yaxis()  # the first request on top
     ax.set_xlabel("seconds since the level started")
     ax.set_title(title)
+    ax.grid(True, axis="x", alpha=0.3)
+
+
+SPAN_COLORS = {"tokenize": "C4", "queued": "0.8", "prefill": "C3", "decode": "C0", "detokenize": "C2", "send": "C1"}
+
+
+def plot_traces(ax: Axes, traces: list[dict[str, Any]], title: str) -> None:
+    """One row per request (from ``--trace``), its spans on the server's clock: grey while it waited,
+    red for its prefill, blue for each decode step, and the thin slivers of the HTTP side's and the
+    detokenizer's work between them."""
+    start = min(trace["origin_s"] for trace in traces)
+    ordered = sorted(traces, key=lambda trace: trace["origin_s"])
+    for row, trace in enumerate(ordered):
+        offset_ms = 1000 * (trace["origin_s"] - start)
+        for name, span_start, duration in trace["spans"]:
+            ax.barh(row, duration, left=offset_ms + span_start, color=SPAN_COLORS[name], height=0.6,
+                    edgecolor="white" if name == "decode" else None, linewidth=0.3)
+    ax.set_yticks(range(len(ordered)), [trace["request_id"][-8:] for trace in ordered])
+    ax.invert_yaxis()  # the first request on top
+    ax.set_xlabel("ms on the server's clock")
+    ax.set_title(title)
+    ax.legend(handles=[Patch(color=color, label=name) for name, color in SPAN_COLORS.items()], fontsize=8,
+              ncols=len(SPAN_COLORS), loc="lower right")
     ax.grid(True, axis="x", alpha=0.3)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from common.limits import Limits
+from common.trace import NO_TRACE, Tracer
 from common.weights import DEFAULT_MODEL, resolve_model
 
 from .servers import LiveServer, start_fastapi, start_flask
@@ -145,10 +146,10 @@ def engine02(model_dir: Path):
 
 
 @contextmanager
-def serve_stage(folder: str, engine, limits: Limits | None = None) -> Iterator[LiveServer]:
+def serve_stage(folder: str, engine, limits: Limits | None = None, tracer: Tracer = NO_TRACE) -> Iterator[LiveServer]:
     """A FastAPI stage (02 on) serving ``engine`` on a free port; ``server.engine`` is its AsyncEngine."""
     async_engine = stage(folder, "engine").AsyncEngine(engine)
-    app = stage(folder, "server").create_app(async_engine, "smollm2-135m-instruct", limits)
+    app = stage(folder, "server").create_app(async_engine, "smollm2-135m-instruct", limits, tracer)
     with start_fastapi(app) as server:
         server.engine = async_engine
         yield server

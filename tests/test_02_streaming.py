@@ -14,6 +14,7 @@ import pytest
 from pydantic import BaseModel
 
 from common.protocol import Usage
+from common.trace import RequestTrace
 
 from .conftest import stage
 from .prompts import EMOJI_PROMPT, TEXT_PROMPTS
@@ -171,7 +172,7 @@ def test_sse_events_frame_each_chunk_and_end_with_done(include_usage):
         return [event async for event in response.body_iterator]
 
     opening = Chunk(text="", finish_reason=None)
-    response = server_module.sse_response(produce(), [opening], chunk, include_usage)
+    response = server_module.sse_response(produce(), [opening], chunk, include_usage, RequestTrace())
     # The held-back output travels with the next chunk: its token (and logprobs) go out with its text.
     expected = [opening, Chunk(text="Hel", token_ids=[11], finish_reason=None),
                 Chunk(text="lo", token_ids=[12, 13], finish_reason="stop")]

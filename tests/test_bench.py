@@ -44,6 +44,8 @@ def test_loadgen_streams_against_stage_02(server02):
     assert level.in_flight.source == "server"
     counts = [n for _, n in level.in_flight.samples]
     assert counts and 1 <= max(counts) <= 3
+    # Busy seconds read before and after the level: the engine computed for part of it, never more than all.
+    assert level.engine_busy is not None and 0 < level.engine_busy <= 1 and summary["engine_busy"] == level.engine_busy
 
 
 def test_loadgen_without_streaming_against_stage_01(server01):
@@ -57,6 +59,7 @@ def test_loadgen_without_streaming_against_stage_01(server01):
     summary = level.summary()
     assert summary["itl_s"] is None and summary["errors"] == 0
     assert level.in_flight.source == "client"  # stage 01 has no /metrics
+    assert level.engine_busy is None and summary["engine_busy"] is None  # so no busy seconds either
     assert max(n for _, n in level.in_flight.samples) <= 2
 
 
@@ -87,6 +90,9 @@ vllm:num_requests_running{model_name="m"} 2.0
 """
     assert loadgen.parse_in_flight(page) == 6
     assert loadgen.parse_in_flight("# nothing\nother_metric 5\n") is None
+    busy = "# TYPE llm_engine_busy_seconds counter\nllm_engine_busy_seconds_total 12.5\nllm_engine_busy_seconds_x 1\n"
+    assert loadgen.parse_counter(busy, loadgen.BUSY_METRIC) == 12.5
+    assert loadgen.parse_counter(page, loadgen.BUSY_METRIC) is None
 
 
 def fake_result(name: str, streaming: bool) -> dict:
@@ -95,7 +101,8 @@ def fake_result(name: str, streaming: bool) -> dict:
 
     levels = [{"concurrency": c, "output_tokens_per_s": 10.0 * c, "e2e_s": stats(0.5 * c),
                "ttft_s": stats(0.1 * c), "itl_s": stats(0.05) if streaming else None,
-               "in_flight": {"source": "server" if streaming else "client", "mean": c * 0.9, "max": c}}
+               "in_flight": {"source": "server" if streaming else "client", "mean": c * 0.9, "max": c},
+               "engine_busy": min(1.0, 0.3 * c) if streaming else None}
               for c in (1, 4, 8)]
     return {"name": name, "model": MODEL, "device": "cpu", "dtype": "float32", "levels": levels,
             "workload": {"levels": [1, 4, 8], "requests_per_level": 8, "max_tokens": 16}}

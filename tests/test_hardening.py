@@ -122,10 +122,10 @@ def inject_fault(monkeypatch, folder: str, engine, error: Exception) -> None:
     else:
         generate = engine.generate
 
-        def faulty_generate(request_id, prompt_ids, params):
+        def faulty_generate(request_id, prompt_ids, params, trace=None):
             if prompt_ids == poison_ids:
                 raise error
-            return generate(request_id, prompt_ids, params)
+            return generate(request_id, prompt_ids, params, trace)
 
         monkeypatch.setattr(engine, "generate", faulty_generate)
 
