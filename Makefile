@@ -17,6 +17,8 @@ help:
 	@echo "make demo [STAGE=NN]  run a stage's --demo on the embedded model (default: latest stage)"
 	@echo "make serve [STAGE=NN] start a stage's server on 127.0.0.1"
 	@echo "make bench [STAGE=NN] [QUICK=1]  benchmark a stage: results/<device>/NN_name.json + .png"
+	@echo "make bench STAGE=NN PREFIX=1     the same with a 1000-token system prompt shared by every request"
+	@echo "                                 (a prefix cache's workload): results/<device>/NN_name_shared_prefix.json"
 	@echo "make soak [STAGE=NN]             waves of 256 streaming clients: every request whole, memory flat"
 	@echo "make notebook         open Jupyter Lab in notebooks/, to work through the benchmark notebooks"
 	@echo "make notebooks        re-run every notebook in notebooks/ and save its outputs"
@@ -55,10 +57,12 @@ serve: install
 	$(PY) -m $(STAGE_DIR)
 
 # The standard concurrency sweep against the stage's own server; QUICK=1 is the short CI version,
-# written under results/quick/ so that it never overwrites the committed results.
+# written under results/quick/ so that it never overwrites the committed results. PREFIX=1: the
+# shared-prefix workload (every prompt starts with the same 1000-token system prompt), to NN_name_shared_prefix.json.
 .PHONY: bench soak
 bench: install
-	$(PY) -m common.bench --stage $(STAGE) $(if $(filter 1,$(QUICK)),--quick)
+	$(PY) -m common.bench --stage $(STAGE) $(if $(filter 1,$(QUICK)),--quick) \
+		$(if $(filter 1,$(PREFIX)),--shared-prefix-tokens)
 
 soak: install
 	$(PY) -m common.soak --stage $(STAGE)

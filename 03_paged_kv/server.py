@@ -25,6 +25,7 @@ from common.errors import add_error_handlers
 from common.limits import Limits, add_limits
 from common.logprobs import AnswerWriter, Echo
 from common.protocol import (
+    N_LATER,
     APIError,
     ChatChoice,
     ChatChunkChoice,
@@ -86,6 +87,8 @@ def create_app(engine: AsyncEngine, model_name: str, limits: Limits | None = Non
         """Checks that need the engine (running, its model's name and context length), then its params."""
         if not engine.alive:  # fail fast: nothing would ever answer
             raise APIError("the engine has stopped; the server must be restarted", 503, code="engine_stopped")
+        if req.n != 1:
+            raise APIError(f"n: {N_LATER}", param="n", code="unsupported_parameter")
         if req.model is not None and req.model != model_name:
             raise APIError(f"model {req.model!r} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")

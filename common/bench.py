@@ -3,6 +3,7 @@
     python -m common.bench --stage 02            # start stage 02's server, sweep, stop it
     python -m common.bench --stage 02 --quick    # the short CI version (also: QUICK=1)
     python -m common.bench --url http://127.0.0.1:8000 --model NAME --name vllm   # a running server
+    python -m common.bench --stage 05 --shared-prefix-tokens   # a 1000-token system prompt in every request
 
 The sweep sends 64 requests at each concurrency level 1, 4, 8, 16, 32, 64, each asking for 64
 tokens with greedy decoding and EOS ignored, so every stage does exactly the same work. The result
@@ -10,6 +11,12 @@ goes to ``results/<device>/<name>.json`` with the machine, the command and the g
 standard figure (see ``common/plots.py``) goes beside it, overlaid on the previous stage's result
 when that file is there too. Quick runs go to ``results/quick/`` (git-ignored), so they never
 overwrite the committed full results.
+
+``--shared-prefix-tokens [N]`` runs the shared-prefix workload instead: the same N-token system prompt
+(1000 if N is left out) in front of every request, then a short prompt that changes from one request to
+the next, the traffic a prefix cache (stage 05) is for. Its result's name gets ``_shared_prefix``
+(``_shared_prefix_N`` for another N), so it never overwrites the standard sweep's file, and the
+figure overlays the previous stage's result for the same workload only.
 """
 
 from __future__ import annotations
@@ -37,7 +44,16 @@ from typing import Any
 import httpx
 
 from .cli import served_name
-from .loadgen import PROMPTS, LevelResult, Workload, probe_streaming, run_sweep, warm_up
+from .loadgen import (
+    DEFAULT_SHARED_PREFIX_TOKENS,
+    PROMPTS,
+    LevelResult,
+    Workload,
+    probe_streaming,
+    run_sweep,
+    shared_prefix,
+    warm_up,
+)
 from .plots import plot_results
 from .trace import read_traces
 from .weights import DEFAULT_MODEL
@@ -77,6 +93,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--extra-body", type=json.loads, default={},
                         help="JSON object merged into every request body; a null removes a field, e.g. "
                              "'{\"ignore_eos\": null}' for a server that rejects fields it does not know")
+    parser.add_argument("--shared-prefix-tokens", type=int, nargs="?", const=DEFAULT_SHARED_PREFIX_TOKENS, default=0,
+                        metavar="N", help="put the same system prompt of about N tokens (default "
+                        f"{DEFAULT_SHARED_PREFIX_TOKENS}) in front of every prompt, to measure a prefix cache; "
+                        "the result's name gets _shared_prefix appended (also: make bench PREFIX=1)")
     parser.add_argument("--levels", type=int, nargs="+", help="override the concurrency levels")
     parser.add_argument("--requests", type=int, help="override the requests per level")
     parser.add_argument("--max-tokens", type=int, help="override the output tokens per request")
@@ -86,7 +106,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.url and not args.name:
         parser.error("--url needs --name LABEL for the result file")
+    if args.shared_prefix_tokens < 0:
+        parser.error("--shared-prefix-tokens must be 0 (off) or more")
     return args
+
+
+def result_name(name: str, shared_prefix_tokens: int) -> str:
+    """The result's name: ``name``, with ``_shared_prefix`` (``_shared_prefix_N`` for a length other
+    than the default) for the shared-prefix workload, so that it never overwrites the standard sweep's
+    file. Appended to a name given with --name too, unless the name already says it."""
+    if shared_prefix_tokens == 0 or "shared_prefix" in name:
+        return name
+    size = "" if shared_prefix_tokens == DEFAULT_SHARED_PREFIX_TOKENS else f"_{shared_prefix_tokens}"
+    return f"{name}_shared_prefix{size}"
 
 
 def sweep_of(args: argparse.Namespace) -> Sweep:
@@ -239,13 +271,15 @@ def exit_on_sigterm() -> None:
 # --- measuring and writing -------------------------------------------------------------------------
 
 
-async def measure(url: str, model: str, stream: bool, sweep: Sweep, label: str,
-                  extra_body: dict[str, Any]) -> tuple[bool, list[LevelResult]]:
-    """Find out whether the server streams, warm it up, then run every level."""
+async def measure(url: str, model: str, stream: bool, sweep: Sweep, label: str, extra_body: dict[str, Any],
+                  prefix: str = "") -> tuple[bool, list[LevelResult]]:
+    """Find out whether the server streams, warm it up, then run every level. ``prefix``: the
+    shared-prefix workload's system prompt, or "" for the standard workload. The warm-up request
+    carries it too (see ``warm_up``: the sweep measures a server that has seen its system prompt)."""
     if stream and not await probe_streaming(url, model, extra_body):
         print("The server answered 400 to a streaming request: measuring without streaming.", flush=True)
         stream = False
-    workload = Workload(url, model, sweep.max_tokens, stream=stream, extra_body=extra_body)
+    workload = Workload(url, model, sweep.max_tokens, stream=stream, extra_body=extra_body, shared_prefix=prefix)
     await warm_up(workload)
     return stream, await run_sweep(workload, sweep.levels, sweep.requests_per_level, label)
 
@@ -275,11 +309,26 @@ def is_leaf(value: dict[str, Any] | list[Any]) -> bool:
     return all(not isinstance(v, dict) and (not isinstance(v, list) or is_leaf(v)) for v in items)
 
 
-def previous_stage_result(out_dir: Path, stage: str | None) -> list[Path]:
-    """The previous stage's result in the same folder (so quick compares with quick, full with full)."""
+def workload_json(sweep: Sweep, extra_body: dict[str, Any], shared_prefix_tokens: int) -> dict[str, Any]:
+    """The result's ``workload`` section: everything a request asked for, so that a reader can tell
+    which results measured the same work. ``shared_prefix_tokens`` is 0 for the standard workload."""
+    return {**asdict(sweep), "temperature": 0, "ignore_eos": True, "prompts": PROMPTS, "extra_body": extra_body,
+            "shared_prefix_tokens": shared_prefix_tokens, "shared_prefix": shared_prefix(shared_prefix_tokens)}
+
+
+def shared_prefix_tokens_of(path: Path) -> int:
+    """The shared-prefix length a result file was measured with (0: the standard workload, or a file
+    written before the option existed)."""
+    return json.loads(path.read_text())["workload"].get("shared_prefix_tokens", 0)
+
+
+def previous_stage_result(out_dir: Path, stage: str | None, shared_prefix_tokens: int = 0) -> list[Path]:
+    """The previous stage's result in the same folder (so quick compares with quick, full with full),
+    for the same workload (a shared-prefix sweep with a shared-prefix sweep of the same length)."""
     if stage is None or int(stage) <= 1:
         return []
-    return sorted(out_dir.glob(f"{int(stage) - 1:02d}_*.json"))[:1]
+    candidates = sorted(out_dir.glob(f"{int(stage) - 1:02d}_*.json"))
+    return [path for path in candidates if shared_prefix_tokens_of(path) == shared_prefix_tokens][:1]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -295,19 +344,21 @@ def main(argv: list[str] | None = None) -> None:
         print(f"warning: the load average is {machine['load_average_1m']:.1f} before we start: something else "
               "is using the CPU, and it will slow the server down", flush=True)
     server_command = None
+    prefix = shared_prefix(args.shared_prefix_tokens)
 
     if args.stage:
-        name = args.name or stage_folder(args.stage)
+        name = result_name(args.name or stage_folder(args.stage), args.shared_prefix_tokens)
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         server_command = [sys.executable, "-m", stage_folder(args.stage), "--port", str(port), "--host", "127.0.0.1",
                           "--model", args.model, "--device", device, "--dtype", dtype]
         model = served_name(args.model)
         with stage_server(server_command, url):
-            stream, levels = asyncio.run(measure(url, model, not args.no_stream, sweep, name, args.extra_body))
+            stream, levels = asyncio.run(measure(url, model, not args.no_stream, sweep, name, args.extra_body,
+                                                 prefix))
     else:
-        name, url, model = args.name, args.url.rstrip("/"), args.model
-        stream, levels = asyncio.run(measure(url, model, not args.no_stream, sweep, name, args.extra_body))
+        name, url, model = result_name(args.name, args.shared_prefix_tokens), args.url.rstrip("/"), args.model
+        stream, levels = asyncio.run(measure(url, model, not args.no_stream, sweep, name, args.extra_body, prefix))
 
     result = {
         "name": name,
@@ -317,8 +368,7 @@ def main(argv: list[str] | None = None) -> None:
         "dtype": dtype,
         "streaming": stream,
         "quick": args.quick,
-        "workload": {**asdict(sweep), "temperature": 0, "ignore_eos": True, "prompts": PROMPTS,
-                     "extra_body": args.extra_body},
+        "workload": workload_json(sweep, args.extra_body, args.shared_prefix_tokens),
         "machine": machine,
         "command": shlex.join(sys.orig_argv),
         "server_command": shlex.join(server_command) if server_command else None,
@@ -330,7 +380,7 @@ def main(argv: list[str] | None = None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / f"{name}.json"
     json_path.write_text(dumps(result) + "\n")
-    others = previous_stage_result(out_dir, args.stage) + list(args.compare)
+    others = previous_stage_result(out_dir, args.stage, args.shared_prefix_tokens) + list(args.compare)
     png_path = plot_results([*others, result], json_path.with_suffix(".png"))
     print(f"Wrote {json_path} and {png_path}")
 

@@ -14,6 +14,15 @@ While a level runs, a sampler asks the server every ~100 ms how many requests it
 after the level it reads the engine's busy seconds (``llm_engine_busy_seconds_total``, stages 02
 on): their difference over the level's wall time is the engine's busy fraction, the nearest thing
 a CPU server has to a GPU-utilization panel.
+
+The *shared-prefix workload* (``Workload.shared_prefix``, built by ``shared_prefix``) puts the same
+long system prompt in front of every request, as real chat traffic does: every conversation with a
+product's assistant starts with the same page of instructions. A server without a prefix cache
+computes that page again for every request; one with a prefix cache (stage 05) computes it once and
+reuses its KV blocks, so the workload shows what the cache buys. When the server counts its cache's
+lookups on /metrics (``llm_prefix_cache_queries_total`` and ``llm_prefix_cache_hits_total``, in
+prompt tokens, vLLM's convention), each level records its hit rate: the share of the prompt tokens
+it looked up that the cache already held.
 """
 
 from __future__ import annotations
@@ -40,12 +49,82 @@ PROMPTS: list[str] = [
     "SELECT name, age FROM users WHERE",
 ]
 
+# The shared-prefix workload's system prompt: a customer-service policy, as a product's chat assistant
+# would get. Distinct sentences, so that the text tokenizes like real prose (one word repeated would be
+# a handful of tokens that a tokenizer may merge in odd ways); cycled when a longer prompt is asked for.
+SYSTEM_SENTENCES: list[str] = [
+    "You are a helpful assistant for ACME Corporation, answering customers' questions about our products.",
+    "Be polite, concise and accurate; when you do not know an answer, say so instead of guessing.",
+    "ACME sells kitchen appliances, garden tools and small electronics in forty countries.",
+    "Our customer service hours are Monday to Friday, 8 a.m. to 6 p.m. local time, except public holidays.",
+    "Orders ship within two business days, and standard delivery takes three to seven business days.",
+    "Express delivery costs 12 euros and arrives the next business day when ordered before noon.",
+    "Customers may return any unused product within 30 days of delivery for a full refund.",
+    "A refund is paid to the original payment method within ten business days of the returned item's arrival.",
+    "Opened software, gift cards and personalized items cannot be returned unless they are faulty.",
+    "Every appliance carries a two-year warranty covering defects in materials and workmanship.",
+    "The warranty does not cover damage from accidents, misuse, power surges or unauthorized repairs.",
+    "To make a warranty claim, the customer needs the order number and a short description of the fault.",
+    "Never ask a customer for a full card number, a password or a one-time security code.",
+    "If a customer reports smoke, sparks or a burning smell, tell them to unplug the device at once.",
+    "Safety reports are always escalated to a human agent, whatever the time of day.",
+    "Do not promise discounts, compensation or delivery dates that this policy does not state.",
+    "Members of the ACME Plus program get free express delivery and an extra year of warranty.",
+    "ACME Plus costs 49 euros a year and can be cancelled at any time from the account page.",
+    "Price matching applies only to identical items sold new by an authorized retailer in the same country.",
+    "Gift cards never expire and can be combined with one promotional code per order.",
+    "Promotional codes cannot be applied to orders that have already been placed.",
+    "Spare parts for discontinued models remain available for at least seven years after the last sale.",
+    "Recommend the user manual's troubleshooting section before suggesting a repair.",
+    "Repairs under warranty are free, including the cost of sending the product to our service center.",
+    "Out-of-warranty repairs start with a free quote, and the customer decides whether to go ahead.",
+    "Answer in the language the customer writes in, and keep a friendly, professional tone.",
+    "Use plain words, short paragraphs and numbered steps for instructions.",
+    "If a question is unrelated to ACME, help briefly if you can, then offer to return to the customer's order.",
+    "Do not share internal procedures, employee names or information about other customers.",
+    "Personal data is handled according to the ACME privacy notice, which the customer can read on our website.",
+    "A customer can ask for a copy of their data or for its deletion by writing to the privacy team.",
+    "Invoices are available as PDF files from the order history page for seven years.",
+    "Business customers can pay by bank transfer and receive a single monthly invoice.",
+    "Bulk orders of more than fifty units are handled by the sales team, who answer within one business day.",
+    "Products are tested to European safety standards and carry the CE mark.",
+    "Packaging is made from recycled cardboard, and old appliances can be returned for recycling free of charge.",
+    "When a product is out of stock, offer to notify the customer by email when it is available again.",
+    "Do not speculate about future products, prices or release dates.",
+    "If the customer is unhappy with an answer, offer to pass the conversation to a human agent.",
+    "End each answer by asking whether there is anything else you can help with.",
+]
+# Ends with one newline: the prompt's tokens then begin with exactly the prefix's tokens, whatever the
+# question (after "\n\n" the tokenizer would split the newlines differently), so a cache of token blocks matches.
+SYSTEM_PROMPT_END = "\n\nThe customer writes:\n"
+# English prose in SmolLM2's tokenizer: the sentences above make 722 tokens from 3,637 characters; 1,000 tokens
+# asked for give 1,013 (5,064 characters).
+CHARS_PER_TOKEN = 5.0
+DEFAULT_SHARED_PREFIX_TOKENS = 1000  # about a page of instructions, a common size for a system prompt
+
+
+def shared_prefix(tokens: int) -> str:
+    """A system prompt of about ``tokens`` tokens of SmolLM2's tokenizer (estimated from its length:
+    CHARS_PER_TOKEN characters a token), always the same text for the same ``tokens``: SYSTEM_SENTENCES
+    in order, cycled until long enough, then SYSTEM_PROMPT_END. "" for 0 tokens (no prefix)."""
+    if tokens <= 0:
+        return ""
+    target_chars = tokens * CHARS_PER_TOKEN - len(SYSTEM_PROMPT_END)
+    sentences: list[str] = []
+    while len(" ".join(sentences)) < target_chars:
+        sentences.append(SYSTEM_SENTENCES[len(sentences) % len(SYSTEM_SENTENCES)])
+    return " ".join(sentences) + SYSTEM_PROMPT_END
+
+
 SAMPLE_PERIOD_S = 0.1
 # Gauges that count a server's requests, summed over their labels. Ours, and vLLM's names, so that
 # an outside server is measured the same way.
 RUNNING_METRICS = ("llm_requests_running", "vllm:num_requests_running")
 WAITING_METRICS = ("llm_requests_waiting", "vllm:num_requests_waiting")
 BUSY_METRIC = "llm_engine_busy_seconds_total"  # the course's stages (02 on): seconds the engine computed
+# Prefix-cache counters, in prompt tokens: looked up in the cache, and found there. Ours (stage 05 on) and vLLM's.
+PREFIX_QUERIES_METRICS = ("llm_prefix_cache_queries_total", "vllm:prefix_cache_queries_total")
+PREFIX_HITS_METRICS = ("llm_prefix_cache_hits_total", "vllm:prefix_cache_hits_total")
 
 InFlightSource = Literal["server", "client"]
 
@@ -53,7 +132,11 @@ InFlightSource = Literal["server", "client"]
 @dataclass
 class Workload:
     """What every request of a sweep asks for. Greedy and ``ignore_eos``: each request makes exactly
-    ``max_tokens`` tokens, so the work per request is the same for every stage and every run."""
+    ``max_tokens`` tokens, so the work per request is the same for every stage and every run.
+
+    With a ``shared_prefix`` (see ``shared_prefix()``), every prompt is that system prompt followed
+    by one of ``prompts`` in turn: the long part is the same in every request, the short end differs
+    from one request to the next. Without one (the standard workload), the prompts are sent alone."""
 
     url: str  # the server's root, e.g. http://127.0.0.1:8002
     model: str | None
@@ -63,10 +146,14 @@ class Workload:
     timeout_s: float = 900.0  # generous: at concurrency 64 a one-at-a-time server queues for minutes
     # Fields merged into every request body; a None value removes one (a peer that rejects ignore_eos).
     extra_body: dict[str, Any] = field(default_factory=dict)
+    shared_prefix: str = ""  # a system prompt in front of every prompt; "" for none
+
+    def prompt(self, index: int) -> str:
+        return self.shared_prefix + self.prompts[index % len(self.prompts)]
 
     def body(self, index: int) -> dict[str, Any]:
         body: dict[str, Any] = {
-            "prompt": self.prompts[index % len(self.prompts)],
+            "prompt": self.prompt(index),
             "max_tokens": self.max_tokens,
             "temperature": 0,
             "ignore_eos": True,
@@ -132,6 +219,7 @@ class LevelResult:
     records: list[RequestRecord]
     in_flight: InFlight
     engine_busy: float | None = None  # share of the level's wall time the engine spent computing (02 on)
+    prefix_cache_hit_rate: float | None = None  # share of the prompt tokens looked up found in the cache (05 on)
 
     def summary(self) -> dict[str, Any]:
         """The level's aggregates; latencies over the requests that succeeded."""
@@ -154,6 +242,7 @@ class LevelResult:
             "e2e_s": stats("e2e_s"),
             "in_flight": {"source": self.in_flight.source, "mean": self.in_flight.mean, "max": self.in_flight.max},
             "engine_busy": self.engine_busy,
+            "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
         }
 
 
@@ -220,17 +309,23 @@ async def run_one(client: httpx.AsyncClient, workload: Workload, record: Request
 # --- counting requests in flight ---------------------------------------------------------------
 
 
-def parse_in_flight(metrics_text: str) -> int | None:
-    """running + waiting from a Prometheus text page, or None if the page has neither."""
+def sum_series(metrics_text: str, names: tuple[str, ...]) -> float | None:
+    """The sum of every series of the metrics ``names`` (whatever their labels) in a Prometheus text
+    page, or None if the page has none of them."""
     total, found = 0.0, False
     for line in metrics_text.splitlines():
         if not line or line.startswith("#"):
             continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in RUNNING_METRICS or name in WAITING_METRICS:
+        if line.split("{", 1)[0].split(" ", 1)[0] in names:
             total += float(line.rsplit(" ", 1)[1])
             found = True
-    return round(total) if found else None
+    return total if found else None
+
+
+def parse_in_flight(metrics_text: str) -> int | None:
+    """running + waiting from a Prometheus text page, or None if the page has neither."""
+    total = sum_series(metrics_text, RUNNING_METRICS + WAITING_METRICS)
+    return None if total is None else round(total)
 
 
 async def server_metrics(client: httpx.AsyncClient) -> str | None:
@@ -255,9 +350,43 @@ def parse_counter(metrics_text: str, name: str) -> float | None:
     return None
 
 
-async def server_busy_s(client: httpx.AsyncClient) -> float | None:
-    """Seconds the server's engine has spent computing since it started, or None if it does not say."""
-    return None if (text := await server_metrics(client)) is None else parse_counter(text, BUSY_METRIC)
+@dataclass
+class Counters:
+    """The server's running totals at one moment, from one /metrics page; None where it has no such
+    counter. Read before and after a level, their differences describe the level alone."""
+
+    busy_s: float | None = None  # seconds the engine has spent computing since it started
+    prefix_queries: float | None = None  # prompt tokens looked up in the prefix cache
+    prefix_hits: float | None = None  # of those, tokens found there
+
+    @classmethod
+    def parse(cls, metrics_text: str) -> Counters:
+        return cls(busy_s=parse_counter(metrics_text, BUSY_METRIC),
+                   prefix_queries=sum_series(metrics_text, PREFIX_QUERIES_METRICS),
+                   prefix_hits=sum_series(metrics_text, PREFIX_HITS_METRICS))
+
+
+async def server_counters(client: httpx.AsyncClient) -> Counters:
+    """The server's counters now; all None if it has no usable GET /metrics."""
+    return Counters() if (text := await server_metrics(client)) is None else Counters.parse(text)
+
+
+def engine_busy_between(before: Counters, after: Counters, wall_s: float) -> float | None:
+    """The engine's busy fraction over ``wall_s`` seconds: how much of it went to computing rather
+    than waiting for work. None if the server does not count its busy seconds."""
+    if before.busy_s is None or after.busy_s is None or wall_s <= 0:
+        return None
+    return min(1.0, (after.busy_s - before.busy_s) / wall_s)
+
+
+def prefix_hit_rate_between(before: Counters, after: Counters) -> float | None:
+    """Tokens found in the prefix cache / tokens looked up, between two readings: the share of the
+    prompts' prefill that the cache saved. None if the server has no prefix cache or looked nothing up."""
+    counts = (before.prefix_queries, before.prefix_hits, after.prefix_queries, after.prefix_hits)
+    if any(count is None for count in counts):
+        return None
+    queries = after.prefix_queries - before.prefix_queries
+    return (after.prefix_hits - before.prefix_hits) / queries if queries > 0 else None
 
 
 @dataclass
@@ -296,7 +425,7 @@ async def run_level(workload: Workload, concurrency: int, num_requests: int, des
         # Ask /metrics once before the load starts: a one-at-a-time server (stage 01) could not
         # answer it during the level anyway, and has none.
         source: InFlightSource = "server" if await server_in_flight(client) is not None else "client"
-        busy_before = await server_busy_s(client) if source == "server" else None
+        before = await server_counters(client) if source == "server" else Counters()
         in_flight, count, done = InFlight(source), ClientCount(), asyncio.Event()
         gate = asyncio.Semaphore(concurrency)
         bar = tqdm(total=num_requests, desc=desc or f"concurrency {concurrency}", unit="req", leave=False)
@@ -319,10 +448,9 @@ async def run_level(workload: Workload, concurrency: int, num_requests: int, des
             done.set()
             await sampler
             bar.close()
-        # The engine's busy fraction: how much of the level it spent computing rather than waiting for work.
-        busy_after = await server_busy_s(client) if busy_before is not None else None
-        engine_busy = None if busy_after is None else min(1.0, (busy_after - busy_before) / wall_s)
-    return LevelResult(concurrency, wall_s, list(records), in_flight, engine_busy)
+        after = await server_counters(client) if before != Counters() else Counters()
+    return LevelResult(concurrency, wall_s, list(records), in_flight, engine_busy_between(before, after, wall_s),
+                       prefix_hit_rate_between(before, after))
 
 
 async def run_sweep(workload: Workload, levels: list[int], requests_per_level: int,
@@ -344,6 +472,8 @@ def format_summary(s: dict[str, Any]) -> str:
             f"TTFT {ms(s['ttft_s'])} ms, ITL {ms(s['itl_s'])} ms, e2e {ms(s['e2e_s'])} ms, "
             f"in flight {s['in_flight']['mean'] or 0:5.1f} ({s['in_flight']['source']}), "
             + ("" if s.get("engine_busy") is None else f"engine busy {100 * s['engine_busy']:3.0f}%, ")
+            + ("" if s.get("prefix_cache_hit_rate") is None
+               else f"prefix cache hits {100 * s['prefix_cache_hit_rate']:3.0f}%, ")
             + f"errors {s['errors']}")
 
 
@@ -362,7 +492,14 @@ async def probe_streaming(url: str, model: str | None, extra_body: dict[str, Any
 
 async def warm_up(workload: Workload) -> None:
     """One unmeasured request: the first one pays for lazy set-up (memory, kernel choices) that
-    would otherwise land in the first level's numbers."""
+    would otherwise land in the first level's numbers.
+
+    It is the workload's first request, shared prefix included. So a server with a prefix cache
+    starts the sweep with the system prompt cached: the sweep measures the steady state of a server
+    that has seen its system prompt before, as a production server has, and not one cold prefill
+    that any server pays once. Every server, our stages and a peer measured with --url alike, gets
+    this same request, so the comparison stays fair; and the warm-up pays for set-up at the
+    workload's real prompt length (a GPU kernel tuned for long prefills, say)."""
     record = RequestRecord(0, start_s=0.0)
     async with new_client(workload, 1) as client:
         await run_one(client, workload, record)

@@ -109,7 +109,7 @@ def only(*allowed: Any, why: str) -> AfterValidator:
     return AfterValidator(check)
 
 
-N_LATER = "only one choice per prompt is supported; stage 05 adds n > 1, sharing the prompt's KV blocks"
+N_LATER = "only one choice per prompt is supported before stage 05 (which shares the prompt's blocks)"
 
 
 class SamplingRequest(BaseModel):
@@ -128,7 +128,7 @@ class SamplingRequest(BaseModel):
     )
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1), only(1, why=N_LATER)] = Field(1, description="Only one choice per request.")
+    n: int = Field(1, ge=1, le=128, description="Choices (samples) per prompt; 1 before stage 05.")
     presence_penalty: Penalty = Field(
         0.0, description="Subtracted once from the logit of every token already generated (before temperature).")
     frequency_penalty: Penalty = Field(
@@ -251,17 +251,24 @@ def now() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(0, description="Prompt tokens found in the prefix cache, not computed again (05 on).")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+        """Stages without a prefix cache (before 05) compute every prompt token: 0 cached."""
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
         )
 
 

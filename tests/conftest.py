@@ -189,3 +189,14 @@ def engine04(model_dir: Path):
 def server04(engine04) -> Iterator[LiveServer]:
     with serve_stage("04_continuous_batching", engine04) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def engine05(model_dir: Path):
+    return make_engine("05_prefix_cache", model_dir, kv_cache_mb=64)
+
+
+@pytest.fixture(scope="session")
+def server05(engine05) -> Iterator[LiveServer]:
+    with serve_stage("05_prefix_cache", engine05) as server:
+        yield server

@@ -31,6 +31,7 @@ def greedy_tokens(folder: str, engine, prompts: list[list[int]]) -> list[list[in
 # Each stage's on/off switches (EngineConfig fields) that must not change a greedy answer. The default
 # configuration ({}) always runs; a stage adds its switches here, e.g. stage 05 {"prefix_cache": "off"}.
 VARIANTS: dict[str, list[dict]] = {folder: [{}] for folder in STAGES}
+VARIANTS["05_prefix_cache"] += [{"prefix_cache": "off"}, {"prefix_cache": "radix"}]
 CASES = [(folder, variant) for folder in STAGES for variant in VARIANTS[folder]]
 
 # On a GPU (the cuda mark: `pytest -m cuda`), every stage in float32, its pool (stage 03 on) a fixed size so

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from .conftest import make_engine, stage
-from .stages import graded_first, stages_with
+from .stages import changed_stages_with, graded_first
 
 ATOL = 1e-4
 
 
-STAGES = stages_with("attention")
+STAGES = changed_stages_with("attention", "triton_attention")
 
 
 @pytest.fixture(scope="module", params=STAGES)
@@ -114,6 +114,9 @@ def test_decode_reference_equals_dense_attention(attn, seq_lens, group):
 
 # (cached, new) per sequence: whole prompts (0, n), decode-like (L, 1), a prefix hit (h, n - h) and a chunk.
 EXTEND_CASES = [[(0, 5)], [(0, 1), (0, 23)], [(16, 16)], [(7, 3), (0, 12), (40, 1)], [(31, 2), (100, 30)]]
+# What a prefix cache (stage 05) hands the kernel: hits of whole blocks, a prompt cached but for its last
+# token (a block-aligned prompt seen before), and hits beside misses in one ragged batch.
+PREFIX_HIT_CASES = [[(32, 16), (0, 9), (47, 1)], [(64, 3), (0, 1), (16, 40)]]
 
 
 @pytest.mark.parametrize("cached_new", EXTEND_CASES, ids=str)
@@ -214,7 +217,7 @@ def test_decode_splits_the_context_only_when_the_batch_leaves_the_gpu_idle(kerne
 
 @pytest.mark.parametrize("num_kv_heads,group", [(1, 1), (2, 3), (1, 4)])
 @pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("cached_new", [*EXTEND_CASES, [(0, 130)], [(15, 17), (32, 40)]], ids=str)
+@pytest.mark.parametrize("cached_new", [*EXTEND_CASES, *PREFIX_HIT_CASES, [(0, 130)], [(15, 17), (32, 40)]], ids=str)
 def test_extend_kernel_matches_reference(attn, kernels, num_kv_heads, group, block_size, cached_new, device):
     """Fresh prompts and sequences with cached tokens (prefix hits, chunks), ragged, GQA, both block sizes."""
     seq_lens, num_new = [c + n for c, n in cached_new], [n for _, n in cached_new]

@@ -1,5 +1,6 @@
 """The benchmark harness: the load generator against live stages 01 and 02, its aggregate math,
-the figure, and `python -m common.bench` end to end (it must leave no server behind)."""
+the figure, `python -m common.bench` end to end (it must leave no server behind), and the shared-prefix
+workload that measures a prefix cache."""
 
 from __future__ import annotations
 
@@ -179,3 +180,112 @@ def test_extra_body_adds_and_removes_request_fields():
     assert loadgen.Workload("http://x", MODEL, max_tokens=4).body(0)["ignore_eos"] is True
     args = bench.parse_args(["--url", "http://x", "--name", "peer", "--extra-body", '{"ignore_eos": null}'])
     assert args.extra_body == {"ignore_eos": None}
+
+
+# --- the shared-prefix workload (a prefix cache's benchmark, stage 05) ----------------------------
+
+
+def test_shared_prefix_is_a_deterministic_system_prompt_of_about_the_asked_length(model_dir):
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    assert loadgen.shared_prefix(0) == ""  # off: the standard workload
+    for tokens in (200, loadgen.DEFAULT_SHARED_PREFIX_TOKENS, 3000):
+        prefix = loadgen.shared_prefix(tokens)
+        assert prefix == loadgen.shared_prefix(tokens)  # no randomness: every run sends the same text
+        assert len(tokenizer.encode(prefix).ids) == pytest.approx(tokens, rel=0.1)
+    prefix = loadgen.shared_prefix(loadgen.DEFAULT_SHARED_PREFIX_TOKENS)
+    assert prefix.startswith("You are a helpful assistant for ACME")
+    assert len(set(prefix.split())) > 200  # prose, not one word repeated
+
+
+def test_shared_prefix_workload_puts_the_prefix_before_every_prompt(model_dir):
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    prefix = loadgen.shared_prefix(300)
+    workload = loadgen.Workload("http://x", MODEL, max_tokens=64, shared_prefix=prefix)
+    prefix_ids = tokenizer.encode(prefix).ids
+    prompts = [workload.body(i)["prompt"] for i in range(2 * len(loadgen.PROMPTS))]
+    for prompt in prompts:
+        assert prompt.startswith(prefix)
+        # The same first tokens, whatever the question: a cache of token blocks can match the whole prefix.
+        assert tokenizer.encode(prompt).ids[:len(prefix_ids)] == prefix_ids
+    suffixes = [prompt.removeprefix(prefix) for prompt in prompts]
+    assert all(a != b for a, b in zip(suffixes, suffixes[1:], strict=False))  # consecutive requests differ
+    assert suffixes[:len(loadgen.PROMPTS)] == loadgen.PROMPTS
+    body = workload.body(3)
+    assert {k: v for k, v in body.items() if k != "prompt"} == {
+        k: v for k, v in loadgen.Workload("http://x", MODEL, max_tokens=64).body(3).items() if k != "prompt"}
+
+
+def test_default_workload_request_bodies_are_unchanged():
+    """Without a shared prefix, the requests are byte for byte those of every committed result."""
+    streaming = loadgen.Workload("http://x", MODEL, max_tokens=64)
+    assert json.dumps(streaming.body(9)) == (
+        '{"prompt": "def fibonacci(n):", "max_tokens": 64, "temperature": 0, "ignore_eos": true, "stream": true, '
+        '"model": "smollm2-135m-instruct", "stream_options": {"include_usage": true}}')
+    whole = loadgen.Workload("http://x", None, max_tokens=16, stream=False)
+    assert json.dumps(whole.body(0)) == (
+        '{"prompt": "The history of the Roman Empire", "max_tokens": 16, "temperature": 0, "ignore_eos": true, '
+        '"stream": false}')
+
+
+def test_prefix_cache_hit_rate_from_metrics_pages():
+    def page(queries: float, hits: float) -> str:
+        return (f"# HELP llm_prefix_cache_queries_total Prompt tokens looked up in the prefix cache.\n"
+                f"# TYPE llm_prefix_cache_queries_total counter\nllm_prefix_cache_queries_total {queries}\n"
+                f"llm_prefix_cache_hits_total {hits}\nllm_engine_busy_seconds_total 3.0\n")
+
+    before, after = loadgen.Counters.parse(page(1000, 0)), loadgen.Counters.parse(page(5000, 3000))
+    assert before == loadgen.Counters(busy_s=3.0, prefix_queries=1000, prefix_hits=0)
+    assert loadgen.prefix_hit_rate_between(before, after) == pytest.approx(0.75)  # 3000 of the level's 4000
+    assert loadgen.prefix_hit_rate_between(after, after) is None  # nothing looked up during the level
+    # vLLM's names, with labels, are summed over their series.
+    vllm = ('vllm:prefix_cache_queries_total{engine="0",model_name="m"} 80.0\n'
+            'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 20.0\n')
+    assert loadgen.prefix_hit_rate_between(loadgen.Counters(prefix_queries=0, prefix_hits=0),
+                                           loadgen.Counters.parse(vllm)) == pytest.approx(0.25)
+    no_cache = loadgen.Counters.parse("llm_engine_busy_seconds_total 4.0\n")  # stages 02-04
+    assert no_cache.prefix_queries is None and loadgen.prefix_hit_rate_between(no_cache, no_cache) is None
+    assert loadgen.engine_busy_between(loadgen.Counters(busy_s=1.0), no_cache, wall_s=6.0) == pytest.approx(0.5)
+
+    record = RequestRecord(0, start_s=0.0, ok=True, ttft_s=0.1, itl_s=0.01, e2e_s=1.0, output_tokens=10)
+    level = LevelResult(1, 1.0, [record], InFlight("server", [(0.0, 1)]), prefix_cache_hit_rate=0.75)
+    assert level.summary()["prefix_cache_hit_rate"] == 0.75
+    assert "prefix cache hits  75%" in loadgen.format_summary(level.summary())
+    level.prefix_cache_hit_rate = None
+    assert "prefix cache" not in loadgen.format_summary(level.summary())
+
+
+def test_shared_prefix_results_have_their_own_name_and_comparison(tmp_path):
+    assert bench.result_name("05_prefix_cache", 0) == "05_prefix_cache"
+    assert bench.result_name("05_prefix_cache", loadgen.DEFAULT_SHARED_PREFIX_TOKENS) == "05_prefix_cache_shared_prefix"
+    assert bench.result_name("peer", 2000) == "peer_shared_prefix_2000"
+    assert bench.result_name("peer_shared_prefix", 1000) == "peer_shared_prefix"  # already says it
+    assert bench.parse_args(["--stage", "05"]).shared_prefix_tokens == 0
+    assert bench.parse_args(["--stage", "05", "--shared-prefix-tokens"]).shared_prefix_tokens == 1000
+    assert bench.parse_args(["--stage", "05", "--shared-prefix-tokens", "500"]).shared_prefix_tokens == 500
+    # The figure overlays the previous stage's result for the same workload only.
+    standard, shared = fake_result("04_continuous_batching", True), fake_result("04_continuous_batching", True)
+    shared["workload"]["shared_prefix_tokens"] = 1000
+    (tmp_path / "04_continuous_batching.json").write_text(json.dumps(standard))  # written before the option
+    (tmp_path / "04_continuous_batching_shared_prefix.json").write_text(json.dumps(shared))
+    assert [p.name for p in bench.previous_stage_result(tmp_path, "05")] == ["04_continuous_batching.json"]
+    assert [p.name for p in bench.previous_stage_result(tmp_path, "05", 1000)] == [
+        "04_continuous_batching_shared_prefix.json"]
+    assert bench.previous_stage_result(tmp_path, "05", 2000) == []
+
+
+def test_bench_shared_prefix_against_a_running_server_by_url(server02, tmp_path):
+    """--url with --shared-prefix-tokens: the result records the prefix and is filed under its own name."""
+    bench.main(["--url", server02.url, "--model", MODEL, "--name", "outside", "--device", "cpu", "--levels", "2",
+                "--requests", "2", "--max-tokens", "2", "--out", str(tmp_path), "--shared-prefix-tokens", "100"])
+    assert not (tmp_path / "outside.json").exists()
+    result = json.loads((tmp_path / "outside_shared_prefix_100.json").read_text())
+    assert result["name"] == "outside_shared_prefix_100"
+    assert result["workload"]["shared_prefix_tokens"] == 100
+    assert result["workload"]["shared_prefix"] == loadgen.shared_prefix(100)
+    level = result["levels"][0]
+    assert level["errors"] == 0 and level["output_tokens"] == 4
+    assert level["prefix_cache_hit_rate"] is None  # stage 02 has no prefix cache, so no counters

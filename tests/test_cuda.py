@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from .conftest import make_engine, stage
-from .stages import stages_with
+from .stages import changed_stages_with
 from .test_attention import BF16_ATOL, extend_meta
 
 pytestmark = pytest.mark.cuda
 
-KERNEL_STAGES = stages_with("triton_attention")
+KERNEL_STAGES = changed_stages_with("triton_attention", "attention")
 
 
 def release_cuda_memory() -> None:

@@ -21,9 +21,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .conftest import stage
-from .stages import stages_with
+from .stages import changed_stages_with
 
-STAGES = stages_with("model")
+STAGES = changed_stages_with("model", "attention", "triton_attention", "kv_cache")
 
 
 @pytest.fixture(scope="module", params=STAGES)

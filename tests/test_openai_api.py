@@ -366,7 +366,6 @@ def test_a_penalized_request_gives_the_same_tokens_alone_and_in_a_batch(engine04
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 REFUSED = [
-    ("/v1/completions", {"prompt": "hi", "n": 3}, "n"),
     ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of"),
     ("/v1/completions", {"prompt": "hi", "suffix": "and then"}, "suffix"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
@@ -377,7 +376,6 @@ REFUSED = [
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias.5"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "service_tier": "priority"}, "service_tier"),
-    ("/v1/chat/completions", {**CHAT, "n": 2}, "n"),
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, "functions"),
@@ -400,6 +398,15 @@ def test_what_a_stage_cannot_honour_is_a_400_naming_it(server, path, body, param
     error = response.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error" and param.split(".")[0] in \
         error["message"]
+
+
+@pytest.mark.parametrize("folder", [folder for folder in FASTAPI_STAGES if folder < "05"])
+@pytest.mark.parametrize(("path", "body"), [("/v1/completions", {"prompt": "hi", "n": 3}),
+                                            ("/v1/chat/completions", {**CHAT, "n": 2})], ids=["completions", "chat"])
+def test_n_above_one_is_a_400_naming_it_before_stage_05(request, folder, path, body):
+    server = request.getfixturevalue(f"server{folder[:2]}")
+    response = httpx.post(f"{server.url}{path}", json=body, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "n"
 
 
 def test_defaults_of_unsupported_fields_are_accepted(server):

@@ -19,6 +19,9 @@ MAY_CHANGE = {
     "02_streaming": {"engine.py", "sampler.py", "server.py"},  # streaming; the complete OpenAI API
     "03_paged_kv": {"config.py", "engine.py", "metrics.py", "server.py"},  # the paged KV cache
     "04_continuous_batching": {"attention.py", "config.py", "engine.py", "metrics.py", "sampler.py", "sequence.py"},
+    # the prefix cache: shared, counted, evictable blocks; a cache hit at admission; what users see of it
+    "05_prefix_cache": {"block_manager.py", "config.py", "engine.py", "metrics.py", "scheduler.py", "sequence.py",
+                        "server.py"},
 }
 
 

@@ -59,9 +59,9 @@ def test_a_traced_request_says_where_its_time_went(traced_server, stream):
     # The engine's spans follow one another: a prefill, then one decode after the other, never overlapping.
     engine_spans = [(start, start + d) for name, start, d in trace["spans"] if name in ("prefill", "decode")]
     ends, next_starts = [end for _, end in engine_spans[:-1]], [start for start, _ in engine_spans[1:]]
-    assert all(end <= next_start + 1e-3 for end, next_start in zip(ends, next_starts, strict=True))
+    assert all(end <= next_start + 2e-3 for end, next_start in zip(ends, next_starts, strict=True))  # ms, rounded
     queued = next(span for span in trace["spans"] if span[0] == "queued")
-    assert queued[1] + queued[2] == pytest.approx(engine_spans[0][0], abs=1e-3)  # the wait ends as the prefill starts
+    assert queued[1] + queued[2] == pytest.approx(engine_spans[0][0], abs=2e-3)  # the wait ends as the prefill starts
     for name, total in trace["totals_ms"].items():
         assert total == pytest.approx(sum(d for n, _, d in trace["spans"] if n == name), abs=1e-2)
     assert 0 < trace["total_ms"] <= 1000 * wall_s + 50

@@ -1,0 +1,91 @@
+"""python -m 05_prefix_cache [--demo] [--prefix-cache {hash,radix,off}] [--kv-cache-mb MB] [--host H] [--port P]"""
+
+from __future__ import annotations
+
+import time
+
+from common.cli import DEMO_PROMPTS, config_from_args, served_name, stage_parser
+from common.device import DeviceUnavailable
+from common.limits import Limits, add_limit_args
+from common.trace import Tracer, add_trace_args
+
+from .config import EngineConfig
+from .engine import AsyncEngine, Engine
+from .sampler import SamplingParams
+
+
+def demo(engine: Engine, max_tokens: int) -> None:
+    """Submit every demo prompt at once and print, step by step, who is in the batch; then the answers."""
+    lengths = [max_tokens // 4, max_tokens, max_tokens // 2, max_tokens]  # finish at different steps
+    outputs: dict[str, list[int]] = {}
+    for i, prompt in enumerate(DEMO_PROMPTS):
+        prompt_ids = engine.encode_chat([{"role": "user", "content": prompt}])
+        engine.add_request(f"demo-{i}", prompt_ids, SamplingParams(max_tokens=lengths[i % 4], temperature=0.0))
+        outputs[f"demo-{i}"] = []
+    print(f"\n{len(outputs)} requests submitted together. Each step is one forward pass:")
+    start = time.perf_counter()
+    step, first_prefill_ms = 0, 0.0
+    while engine.has_unfinished():
+        step_start = time.perf_counter()
+        step_outputs = engine.step()
+        step += 1
+        if step == 1:
+            first_prefill_ms = 1000 * (time.perf_counter() - step_start)
+        for output in step_outputs:
+            outputs[output.request_id].extend(output.token_ids)
+        if step <= 3 or any(output.finished for output in step_outputs):
+            kind = "prefill" if any(output.completion_tokens == 1 for output in step_outputs) else "decode "
+            done = [output.request_id for output in step_outputs if output.finished]
+            print(f"  step {step:3d} {kind} batch {len(step_outputs)} "
+                  f"({1000 * (time.perf_counter() - step_start):6.1f} ms)" + (f"  finished: {', '.join(done)}"
+                                                                               if done else ""))
+    elapsed = time.perf_counter() - start
+    total = sum(len(ids) for ids in outputs.values())
+    print(f"{total} tokens in {step} steps, {elapsed:.2f} s: {total / elapsed:.1f} tokens/s")
+    for (request_id, ids), prompt in zip(outputs.items(), DEMO_PROMPTS, strict=True):
+        print(f"\n{request_id} {prompt!r}\n  -> {engine.tokenizer.decode(ids, skip_special_tokens=True)!r}")
+    again(engine, first_prefill_ms)
+
+
+def again(engine: Engine, first_prefill_ms: float) -> None:
+    """Prefill the demo prompts a second time: their blocks are in the prefix cache now."""
+    print("\nThe same prompts again (one token each). Their whole blocks are in the prefix cache now:")
+    for i, prompt in enumerate(DEMO_PROMPTS):
+        prompt_ids = engine.encode_chat([{"role": "user", "content": prompt}])
+        engine.add_request(f"again-{i}", prompt_ids, SamplingParams(max_tokens=1, temperature=0.0))
+    start = time.perf_counter()
+    outputs = engine.step()
+    cached, total = sum(output.cached_tokens for output in outputs), sum(output.prompt_tokens for output in outputs)
+    print(f"  prefill {1000 * (time.perf_counter() - start):6.1f} ms (the first time: {first_prefill_ms:.1f} ms): "
+          f"{cached} of {total} prompt tokens were found cached, {total - cached} computed")
+
+
+def main() -> None:
+    parser = stage_parser(__package__, EngineConfig)
+    add_limit_args(parser)
+    add_trace_args(parser)
+    args = parser.parse_args()
+    try:
+        engine = Engine(config_from_args(EngineConfig, args))
+    except DeviceUnavailable as exc:
+        raise SystemExit(f"error: {exc}") from None
+    cache = engine.kv_cache
+    print(f"Loaded {args.model} on {engine.device} ({engine.dtype}), context {engine.max_model_len} tokens")
+    print(f"KV cache: {cache.num_blocks} blocks x {args.block_size} tokens = {engine.kv_capacity_tokens} tokens, "
+          f"{cache.num_bytes / 2**20:.0f} MiB ({cache.shape.bytes_per_token} bytes per token)")
+    print(f"Batches: up to {args.max_num_seqs} sequences, {args.max_num_batched_tokens} prompt tokens per prefill")
+    print(f"Prefix cache: {args.prefix_cache}")
+    if args.demo:
+        demo(engine, args.max_tokens)
+        return
+    import uvicorn
+
+    from .server import create_app
+
+    app = create_app(AsyncEngine(engine), served_name(args.model), Limits.from_args(args),
+                     Tracer.from_args(args))
+    uvicorn.run(app, host=args.host, port=args.port)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""The scheduler: which sequences run in the next step.
+
+Iteration-level scheduling: the decision is taken again before *every* forward pass, so a request
+that finishes leaves the batch at once and a new one joins at the next step. Two queues:
+
+* ``waiting``: first come, first served. New requests, and preempted ones at the front.
+* ``running``: sequences that hold KV blocks, in the order they were admitted.
+
+Each step is either a **prefill** of newly admitted sequences (as many as fit the limits and the
+pool, their prompts laid end to end) or a **decode** of every running sequence, one token each.
+Prefill comes first: a waiting request is admitted as soon as there is room, which keeps the
+decode batch as full as the pool allows.
+
+When the pool runs dry in the middle of decoding, the most recently admitted sequence is
+**preempted**: it gives back all its blocks and goes back to the front of the waiting queue, to be
+recomputed (its prompt plus what it generated so far, prefilled again) when blocks free up. The
+oldest requests always keep going, so every request finishes.
+
+New in stage 05: admission first looks the sequence up in the prefix cache. The blocks of its
+longest cached prefix are shared, not allocated, and the prefill starts after them: only the
+blocks it must really allocate count against the pool, and only the tokens it must really compute
+against the step's token budget. A preempted sequence is looked up the same way, and finds what is
+left of its own blocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .block_manager import BlockManager
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class Batch:
+    """What the next forward pass runs."""
+
+    seqs: list[Sequence]
+    is_prefill: bool
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the forward pass: whole prompts when prefilling, one per sequence when decoding."""
+        return sum(seq.num_new_tokens for seq in self.seqs)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        assert max_num_seqs >= 1 and max_num_batched_tokens >= 1
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs  # the largest decode batch
+        self.max_num_batched_tokens = max_num_batched_tokens  # the most prompt tokens one prefill step runs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # tokens looked up in the prefix cache at admission
+        self.prefix_cache_hits = 0  # of those, tokens found there (not computed again)
+
+    def add(self, seq: Sequence, first: bool = False) -> None:
+        """Queue ``seq`` at the end, or ``first`` in line (the samples of a request already running)."""
+        assert seq.status is SequenceStatus.WAITING
+        if first:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Batch:
+        """The next step: a prefill if anyone can be admitted, else a decode of everyone running."""
+        admitted = self._admit()
+        if admitted:
+            return Batch(admitted, is_prefill=True)
+        return Batch(self._reserve_decode_slots(), is_prefill=False)
+
+    # --- admission ------------------------------------------------------------------------
+    def _admit(self) -> list[Sequence]:
+        """Move sequences from the front of ``waiting`` to ``running``, as many as the limits allow.
+
+        First come, first served: admission stops at the first sequence that does not fit, so a
+        long prompt is never overtaken forever by short ones. A prompt longer than the token budget
+        is still admitted when it is the only one in the step (else it could never run).
+        """
+        batch: list[Sequence] = []
+        num_tokens = 0
+        ### BEGIN SOLUTION 4.1
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.cached_prefix(seq)
+            num_new = seq.num_tokens - len(cached) * self.block_manager.block_size  # what this step computes
+            if batch and num_tokens + num_new > self.max_num_batched_tokens:
+                break
+            if not self.block_manager.can_allocate(cached, seq.num_tokens):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq.block_table, cached, seq.num_tokens)
+            self._count_hit(seq, len(cached) * self.block_manager.block_size)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.append(seq)
+            num_tokens += num_new
+        ### END SOLUTION
+        return batch
+
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """The blocks of ``seq``'s longest cached prefix, to share instead of computing them again.
+
+        A sequence that asked for prompt logprobs (echo) shares nothing: scoring its prompt needs the
+        logits of every prompt position, so every one is computed. A preempted sequence is matched on
+        its prompt and output: it finds its own blocks again, unless they were evicted meanwhile."""
+        return [] if seq.needs_prompt_logprobs else self.block_manager.match(seq.token_ids)
+
+    def _count_hit(self, seq: Sequence, num_cached_tokens: int) -> None:
+        """Start the admitted ``seq`` after its cached tokens, and count the lookup (in tokens, as vLLM does)."""
+        seq.num_computed_tokens = num_cached_tokens  # the step computes only the rest
+        if not seq.output_ids:  # its first admission: what usage reports as cached prompt tokens
+            seq.num_cached_tokens = num_cached_tokens
+        self.prefix_cache_queries += seq.num_tokens
+        self.prefix_cache_hits += num_cached_tokens
+
+    # --- decoding, and preemption -----------------------------------------------------------
+    def _reserve_decode_slots(self) -> list[Sequence]:
+        """Give every running sequence room for one more token, oldest first, preempting the newest
+        while the pool is short. Returns the sequences that decode in this step."""
+        ### BEGIN SOLUTION 4.2
+        scheduled: list[Sequence] = []
+        queue = list(self.running)  # admission order: the newest is last
+        while queue:
+            seq = queue.pop(0)
+            while queue and not self.block_manager.can_grow(seq.block_table, seq.num_tokens):
+                self.preempt(queue.pop())  # the newest sequence not served yet gives its blocks back
+            if self.block_manager.can_grow(seq.block_table, seq.num_tokens):
+                self.block_manager.grow(seq.block_table, seq.num_tokens)
+                scheduled.append(seq)
+            else:
+                self.preempt(seq)  # nobody newer is left: this one waits itself
+        return scheduled
+        ### END SOLUTION
+
+    def preempt(self, seq: Sequence) -> None:
+        """Take every block back from a running sequence and queue it, first in line, to be recomputed."""
+        self.running.remove(seq)
+        self.block_manager.free(seq.block_table)
+        seq.num_computed_tokens = 0  # its cache is given back: prefilled again, but for what is still cached
+        seq.status = SequenceStatus.WAITING
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # --- leaving ----------------------------------------------------------------------------
+    def finish(self, seq: Sequence) -> None:
+        """A sequence is done (finished, failed, or its client left): it leaves its queue and frees its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq.block_table)
+        seq.status = SequenceStatus.FINISHED
