@@ -291,7 +291,7 @@ class AsyncEngine:
         self._lock = threading.Lock()  # so that no request slips into the inbox after the thread's last look
         self._stopped = False  # set under the lock when the thread exits: submitting then fails fast
         self._next_id = 0
-        self._preemptions_seen = 0
+        self._preemptions_seen = engine.scheduler.num_preemptions  # the counters count from here
 
     def start(self) -> None:
         self._thread.start()

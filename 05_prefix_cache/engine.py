@@ -288,9 +288,7 @@ class Engine:
     def _fail(self, seq: Sequence, error: Exception) -> RequestOutput:
         """End a sequence with an error: it leaves the batch, its blocks return, its client is told."""
         self._finish(seq)
-        failed = RequestOutput.failed(seq.request_id, error, len(seq.prompt_ids), len(seq.output_ids))
-        failed.index = seq.index
-        return failed
+        return RequestOutput.failed(seq.request_id, error, len(seq.prompt_ids), len(seq.output_ids), seq.index)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Offline use (the demo, the tests): run every prompt to the end, all batched; their output ids."""
@@ -352,8 +350,9 @@ class AsyncEngine:
         self._lock = threading.Lock()  # so that no request slips into the inbox after the thread's last look
         self._stopped = False  # set under the lock when the thread exits: submitting then fails fast
         self._next_id = 0
-        self._preemptions_seen = 0
-        self._prefix_seen = (0, 0)  # the scheduler's prefix-cache queries and hits at the last count
+        self._preemptions_seen = engine.scheduler.num_preemptions  # the counters count from here
+        # The scheduler's prefix-cache queries and hits at the last count.
+        self._prefix_seen = (engine.scheduler.prefix_cache_queries, engine.scheduler.prefix_cache_hits)
 
     def start(self) -> None:
         self._thread.start()

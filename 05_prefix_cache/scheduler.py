@@ -41,7 +41,8 @@ class Batch:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens in the forward pass: whole prompts when prefilling, one per sequence when decoding."""
+        """Tokens in the forward pass: prompts after their cached blocks when prefilling, one per sequence when
+        decoding."""
         return sum(seq.num_new_tokens for seq in self.seqs)
 
 

@@ -38,9 +38,11 @@ class RequestOutput:
         return self.finish_reason is not None
 
     @classmethod
-    def failed(cls, request_id: str, error: Exception, prompt_tokens: int, completion_tokens: int = 0) -> RequestOutput:
-        """The last output of a request that failed: the server turns ``error`` into an HTTP status."""
-        return cls(request_id, [], "", "error", prompt_tokens, completion_tokens, error=error)
+    def failed(cls, request_id: str, error: Exception, prompt_tokens: int, completion_tokens: int = 0,
+               index: int = 0) -> RequestOutput:
+        """The last output of a request (or of its sample ``index``) that failed: the server turns ``error`` into
+        an HTTP status."""
+        return cls(request_id, [], "", "error", prompt_tokens, completion_tokens, error=error, index=index)
 
 
 class SequenceStatus(Enum):
@@ -88,7 +90,8 @@ class Sequence:
 
     @property
     def num_new_tokens(self) -> int:
-        """What the next step runs for this sequence: a whole prompt (0 cached), or one token (decode)."""
+        """What the next step runs for this sequence: its prompt after the cached blocks (all of it on a miss),
+        or one token (decode)."""
         return self.num_tokens - self.num_computed_tokens
 
 

@@ -342,14 +342,6 @@ async def server_in_flight(client: httpx.AsyncClient) -> int | None:
     return None if (text := await server_metrics(client)) is None else parse_in_flight(text)
 
 
-def parse_counter(metrics_text: str, name: str) -> float | None:
-    """The value of an unlabelled counter in a Prometheus text page, or None if the page has none."""
-    for line in metrics_text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    return None
-
-
 @dataclass
 class Counters:
     """The server's running totals at one moment, from one /metrics page; None where it has no such
@@ -361,7 +353,7 @@ class Counters:
 
     @classmethod
     def parse(cls, metrics_text: str) -> Counters:
-        return cls(busy_s=parse_counter(metrics_text, BUSY_METRIC),
+        return cls(busy_s=sum_series(metrics_text, (BUSY_METRIC,)),
                    prefix_queries=sum_series(metrics_text, PREFIX_QUERIES_METRICS),
                    prefix_hits=sum_series(metrics_text, PREFIX_HITS_METRICS))
 

@@ -140,11 +140,6 @@ def engine01(model_dir: Path):
     return make_engine("01_naive", model_dir)
 
 
-@pytest.fixture(scope="session")
-def engine02(model_dir: Path):
-    return make_engine("02_streaming", model_dir)
-
-
 @contextmanager
 def serve_stage(folder: str, engine, limits: Limits | None = None, tracer: Tracer = NO_TRACE) -> Iterator[LiveServer]:
     """A FastAPI stage (02 on) serving ``engine`` on a free port; ``server.engine`` is its AsyncEngine."""
@@ -162,41 +157,25 @@ def server01(engine01) -> Iterator[LiveServer]:
         yield server
 
 
-@pytest.fixture(scope="session")
-def server02(engine02) -> Iterator[LiveServer]:
-    with serve_stage("02_streaming", engine02) as server:
-        yield server
+def stage_fixtures(folder: str, **config):
+    """The session-wide engine (``engineNN``) of a FastAPI stage, its EngineConfig's other fields as given, and
+    its live server (``serverNN``): tests that use one stage's name them, tests over stages look them up."""
+    number = folder[:2]
+
+    @pytest.fixture(scope="session", name=f"engine{number}")
+    def engine(model_dir: Path):
+        return make_engine(folder, model_dir, **config)
+
+    @pytest.fixture(scope="session", name=f"server{number}")
+    def server(request: pytest.FixtureRequest) -> Iterator[LiveServer]:
+        with serve_stage(folder, request.getfixturevalue(f"engine{number}")) as live:
+            yield live
+
+    return engine, server
 
 
-@pytest.fixture(scope="session")
-def engine03(model_dir: Path):
-    # 64 MiB: about 1,450 tokens of SmolLM2's cache, plenty for the tests and small enough to fill.
-    return make_engine("03_paged_kv", model_dir, kv_cache_mb=64)
-
-
-@pytest.fixture(scope="session")
-def server03(engine03) -> Iterator[LiveServer]:
-    with serve_stage("03_paged_kv", engine03) as server:
-        yield server
-
-
-@pytest.fixture(scope="session")
-def engine04(model_dir: Path):
-    return make_engine("04_continuous_batching", model_dir, kv_cache_mb=64)
-
-
-@pytest.fixture(scope="session")
-def server04(engine04) -> Iterator[LiveServer]:
-    with serve_stage("04_continuous_batching", engine04) as server:
-        yield server
-
-
-@pytest.fixture(scope="session")
-def engine05(model_dir: Path):
-    return make_engine("05_prefix_cache", model_dir, kv_cache_mb=64)
-
-
-@pytest.fixture(scope="session")
-def server05(engine05) -> Iterator[LiveServer]:
-    with serve_stage("05_prefix_cache", engine05) as server:
-        yield server
+engine02, server02 = stage_fixtures("02_streaming")
+# From 03 on, a pool of 64 MiB: about 1,450 tokens of SmolLM2's cache, plenty for the tests and small enough to fill.
+engine03, server03 = stage_fixtures("03_paged_kv", kv_cache_mb=64)
+engine04, server04 = stage_fixtures("04_continuous_batching", kv_cache_mb=64)
+engine05, server05 = stage_fixtures("05_prefix_cache", kv_cache_mb=64)

@@ -92,8 +92,8 @@ vllm:num_requests_running{model_name="m"} 2.0
     assert loadgen.parse_in_flight(page) == 6
     assert loadgen.parse_in_flight("# nothing\nother_metric 5\n") is None
     busy = "# TYPE llm_engine_busy_seconds counter\nllm_engine_busy_seconds_total 12.5\nllm_engine_busy_seconds_x 1\n"
-    assert loadgen.parse_counter(busy, loadgen.BUSY_METRIC) == 12.5
-    assert loadgen.parse_counter(page, loadgen.BUSY_METRIC) is None
+    assert loadgen.sum_series(busy, (loadgen.BUSY_METRIC,)) == 12.5
+    assert loadgen.sum_series(page, (loadgen.BUSY_METRIC,)) is None
 
 
 def fake_result(name: str, streaming: bool) -> dict:
