@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoTokenizer
 
-from common.device import pick_device, pick_dtype
+from common.device import keep_freed_memory, pick_device, pick_dtype
 from common.trace import RequestTrace
 from common.weights import resolve_model
 
@@ -114,6 +114,8 @@ class Engine:
         if self.device.type == "cuda":  # what the largest step's activations take, before the pool takes the rest
             self.run_dummy_step(min(config.max_num_batched_tokens, self.max_model_len),
                                 KVCache.allocate(shape, shape.bytes_per_block, self.device))
+        if self.device.type == "cpu":  # attention's gathers allocate tens of MB per layer and step: keep them
+            keep_freed_memory()
         budget = budget_bytes(self.device, config.kv_cache_mb, config.gpu_memory_utilization)
         self.kv_cache = KVCache.allocate(shape, budget, self.device)
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 
@@ -24,3 +26,24 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, dtype)
+
+
+def keep_freed_memory() -> None:
+    """Let the C allocator keep large freed blocks for reuse, instead of handing them back to the OS.
+
+    glibc's malloc serves any allocation over 32 MiB with a fresh ``mmap`` and returns it to the OS
+    when it is freed, so the next one starts from untouched pages and pays a page fault for every
+    4 KiB of it. On a CPU the reference attention of a batched decode step gathers every sequence's
+    keys and values into new tensors (64 sequences of 1,000 tokens: 50 MB per layer, twice); profiled,
+    each such ``index_select`` took 14.8 ms into fresh pages and 2.5 ms into reused ones, and the decode
+    step 1.6 s against 0.64 s. With a higher mmap threshold the memory stays in the process and is
+    reused from one step to the next. Production CPU inference
+    gets the same effect by preloading tcmalloc or jemalloc. No effect off glibc (macOS, musl).
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3  # mallopt's parameter numbers, from <malloc.h>
+    libc.mallopt(m_mmap_threshold, 1 << 30)  # up to 1 GiB: from the heap, kept when freed
+    libc.mallopt(m_trim_threshold, 2 << 30)  # return the heap's free top to the OS only past 2 GiB
