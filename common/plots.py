@@ -173,3 +173,42 @@ def plot_traces(ax: Axes, traces: list[dict[str, Any]], title: str) -> None:
     ax.legend(handles=[Patch(color=color, label=name) for name, color in SPAN_COLORS.items()], fontsize=8,
               ncols=len(SPAN_COLORS), loc="lower right")
     ax.grid(True, axis="x", alpha=0.3)
+
+
+def plot_mixed(result: Result, out: str | Path) -> Path:
+    """The mixed workload (common/mixed.py), in two panels. Left: every gap between two tokens of a chat stream,
+    over the run, for the stage without a token budget and for stage 06 at the budget nearest 256 (grey lines:
+    a long prompt arrives). Right: the budget's trade-off, the chat streams' p99 gap against the long prompts'
+    mean time to first token, one point per budget, the stage without a budget as a star."""
+    fig = Figure(figsize=(13, 4.8), layout="constrained")
+    FigureCanvasAgg(fig)
+    timeline, tradeoff = fig.subplots(1, 2)
+    runs = result["runs"]
+    unchunked = [run for run in runs if run["budget"] is None]
+    chunked = sorted((run for run in runs if run["budget"] is not None), key=lambda run: run["budget"])
+    shown = unchunked[:1] + ([min(chunked, key=lambda run: abs(run["budget"] - 256))] if chunked else [])
+    for run in shown:
+        when, gaps = zip(*run["chat_gaps"], strict=True)
+        timeline.scatter(when, [1000 * gap for gap in gaps], s=4, alpha=0.5, label=run["label"])
+    for sent, _ in shown[0]["long_ttfts"] if shown else []:
+        timeline.axvline(sent, color="grey", linewidth=0.8, alpha=0.6)
+    timeline.set(yscale="log", xlabel="seconds into the run", ylabel="gap between two tokens of a chat stream (ms)",
+                 title="Chat streams while long prompts arrive (grey)")
+    timeline.legend(markerscale=4)
+    if chunked:
+        x = [run["long_ttft_s"]["mean"] for run in chunked]
+        y = [1000 * run["chat_itl_s"]["p99"] for run in chunked]
+        tradeoff.plot(x, y, marker="o", label=f"{chunked[0]['label'].split(' ')[0]}, by budget")
+        for run, xi, yi in zip(chunked, x, y, strict=True):
+            tradeoff.annotate(str(run["budget"]), (xi, yi), textcoords="offset points", xytext=(5, 5))
+    for run in unchunked:
+        tradeoff.scatter([run["long_ttft_s"]["mean"]], [1000 * run["chat_itl_s"]["p99"]], marker="*", s=150,
+                         color="C3", label=f"{run['label']} (no budget)")
+    tradeoff.set(yscale="log", xlabel="long prompts: mean time to first token (s)",
+                 ylabel="chat streams: p99 gap between tokens (ms)", title="The budget's trade-off")
+    tradeoff.legend()
+    fig.suptitle(f"Mixed workload: {result['workload']['streams']} chat streams, a "
+                 f"{result['workload']['long_tokens'][0]}-{result['workload']['long_tokens'][1]}-token prompt every "
+                 f"{result['workload']['long_every_s']:g} s ({result['device']}, {result['machine'].get('cpu', '')})")
+    fig.savefig(out, dpi=110)
+    return Path(out)

@@ -179,3 +179,5 @@ engine02, server02 = stage_fixtures("02_streaming")
 engine03, server03 = stage_fixtures("03_paged_kv", kv_cache_mb=64)
 engine04, server04 = stage_fixtures("04_continuous_batching", kv_cache_mb=64)
 engine05, server05 = stage_fixtures("05_prefix_cache", kv_cache_mb=64)
+# Stage 06 with its smallest budget for 64 sequences: the server tests' prompts of several requests get chunked.
+engine06, server06 = stage_fixtures("06_chunked_prefill", kv_cache_mb=64, max_num_batched_tokens=64)

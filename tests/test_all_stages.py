@@ -32,6 +32,8 @@ def greedy_tokens(folder: str, engine, prompts: list[list[int]]) -> list[list[in
 # configuration ({}) always runs; a stage adds its switches here, e.g. stage 05 {"prefix_cache": "off"}.
 VARIANTS: dict[str, list[dict]] = {folder: [{}] for folder in STAGES}
 VARIANTS["05_prefix_cache"] += [{"prefix_cache": "off"}, {"prefix_cache": "radix"}]
+# Budgets that cut every prompt into chunks at odd places (the budget holds max_num_seqs decodes at least).
+VARIANTS["06_chunked_prefill"] += [{"max_num_batched_tokens": n, "max_num_seqs": 4} for n in (7, 16, 33)]
 CASES = [(folder, variant) for folder in STAGES for variant in VARIANTS[folder]]
 
 # On a GPU (the cuda mark: `pytest -m cuda`), every stage in float32, its pool (stage 03 on) a fixed size so

@@ -117,9 +117,20 @@ EXTEND_CASES = [[(0, 5)], [(0, 1), (0, 23)], [(16, 16)], [(7, 3), (0, 12), (40, 
 # What a prefix cache (stage 05) hands the kernel: hits of whole blocks, a prompt cached but for its last
 # token (a block-aligned prompt seen before), and hits beside misses in one ragged batch.
 PREFIX_HIT_CASES = [[(32, 16), (0, 9), (47, 1)], [(64, 3), (0, 1), (16, 40)]]
+# What chunked prefill (stage 06) hands it: decode rows with chunks at odd offsets, partial blocks on both ends.
+MIXED_CASES = [[(40, 1), (7, 33), (100, 1), (0, 7), (16, 1)], [(1, 1), (33, 16), (129, 3), (64, 1)]]
 
 
-@pytest.mark.parametrize("cached_new", EXTEND_CASES, ids=str)
+def random_mixed_step(seed: int) -> list[tuple[int, int]]:
+    """A mixed step as the stage 06 scheduler builds one: mostly decode rows (L, 1), then a few prompt chunks
+    (c, n) that start and end anywhere in a block."""
+    rng = random.Random(seed)
+    decodes = [(rng.randint(1, 200), 1) for _ in range(rng.randint(1, 6))]
+    chunks = [(rng.choice([0, rng.randint(1, 150)]), rng.randint(2, 40)) for _ in range(rng.randint(1, 3))]
+    return decodes + chunks
+
+
+@pytest.mark.parametrize("cached_new", [*EXTEND_CASES, *MIXED_CASES], ids=str)
 def test_extend_reference_equals_dense_causal_attention(attn, cached_new):
     """New token i of a sequence with c cached tokens is row c + i of dense causal attention over all of them."""
     seq_lens, num_new = [c + n for c, n in cached_new], [n for _, n in cached_new]
@@ -228,6 +239,21 @@ def test_extend_kernel_matches_reference(attn, kernels, num_kv_heads, group, blo
     expected = attn.extend_attention_reference(q, k_cache, v_cache, meta, scale)
     out = run_extend(kernels, device, q, k_cache, v_cache, meta, scale)
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("folder", [folder for folder in STAGES if folder >= "06"], indirect=True)
+@pytest.mark.parametrize("num_kv_heads,group", [(3, 1), (1, 3), (2, 4)])
+@pytest.mark.parametrize("seed", range(3))
+def test_the_kernel_runs_random_mixed_steps_as_the_reference_does(attn, kernels, num_kv_heads, group, seed, device):
+    """Stage 06's steps through the one extend kernel: decode rows and chunks over their cached context together."""
+    cached_new = random_mixed_step(seed * 10 + group)
+    seq_lens, num_new = [c + n for c, n in cached_new], [n for _, n in cached_new]
+    q, k_cache, v_cache, tables, _, _ = paged_case(seed, seq_lens, 16, num_kv_heads, group, num_queries=num_new)
+    meta = extend_meta(attn, cached_new, tables)
+    scale = 1 / math.sqrt(64)
+    expected = attn.extend_attention_reference(q, k_cache, v_cache, meta, scale)
+    torch.testing.assert_close(run_extend(kernels, device, q, k_cache, v_cache, meta, scale), expected, atol=ATOL,
+                               rtol=0)
 
 
 def test_stage03_gives_the_same_logits_through_either_implementation(monkeypatch, model_dir, device):

@@ -22,6 +22,9 @@ MAY_CHANGE = {
     # the prefix cache: shared, counted, evictable blocks; a cache hit at admission; what users see of it
     "05_prefix_cache": {"block_manager.py", "config.py", "engine.py", "metrics.py", "scheduler.py", "sequence.py",
                         "server.py"},
+    # chunked prefill: a token budget per step, decodes first; one pass for decode rows and prompt chunks
+    "06_chunked_prefill": {"attention.py", "config.py", "engine.py", "model_runner.py", "scheduler.py",
+                           "sequence.py"},
 }
 
 

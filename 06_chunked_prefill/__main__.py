@@ -1,0 +1,97 @@
+"""python -m 06_chunked_prefill [--demo] [--max-num-batched-tokens N] [--kv-cache-mb MB] [--host H] [--port P]"""
+
+from __future__ import annotations
+
+import time
+
+from common.cli import DEMO_PROMPTS, config_from_args, served_name, stage_parser
+from common.device import DeviceUnavailable
+from common.limits import Limits, add_limit_args
+from common.loadgen import shared_prefix
+from common.trace import Tracer, add_trace_args
+
+from .config import EngineConfig
+from .engine import AsyncEngine, Engine
+from .sampler import SamplingParams
+
+LONG_PROMPT_TOKENS = 1500  # the demo's long prompt: about 5 s of prefill on a laptop CPU
+
+
+def demo(engine: Engine, max_tokens: int) -> None:
+    """Chats decode; a long prompt arrives; print what each step holds. The chats never wait for the whole prompt."""
+    chats = {}
+    for i, prompt in enumerate(DEMO_PROMPTS[:3]):
+        prompt_ids = engine.encode_chat([{"role": "user", "content": prompt}])
+        engine.add_request(f"chat-{i}", prompt_ids, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                    ignore_eos=True))
+        chats[f"chat-{i}"] = prompt
+    long_ids = engine.encode_chat([{"role": "system", "content": shared_prefix(LONG_PROMPT_TOKENS)},
+                                   {"role": "user", "content": "Summarize the policy in one sentence."}])
+    budget = engine.max_num_batched_tokens
+    print(f"\n3 chats start; at step 4 a {len(long_ids)}-token prompt arrives. Budget: {budget} tokens a step, "
+          "decodes first, then prompt chunks:")
+    last_token: dict[str, float] = {}
+    longest_gap, step, long_arrived, long_first_token = 0.0, 0, 0.0, 0.0
+    while engine.has_unfinished():
+        step += 1
+        if step == 4:
+            engine.add_request("long", long_ids, SamplingParams(max_tokens=8, temperature=0.0))
+            long_arrived = time.perf_counter()
+        seqs = [seq for samples in engine.sequences.values() for seq in samples]
+        before = {seq.request_id: seq.num_computed_tokens for seq in seqs}
+        step_start = time.perf_counter()
+        outputs = engine.step()
+        now = time.perf_counter()
+        for output in outputs:
+            if output.request_id in chats:
+                if output.request_id in last_token:
+                    longest_gap = max(longest_gap, now - last_token[output.request_id])
+                last_token[output.request_id] = now
+            elif output.completion_tokens == 1:
+                long_first_token = now
+        long_seq = next((seq for seq in seqs if seq.request_id == "long"), None)
+        if long_seq is not None and long_seq.output_ids == [] or step <= 4 or step % 16 == 0:
+            decodes = sum(1 for output in outputs if output.request_id in chats)
+            chunk = "" if long_seq is None else (f" + {long_seq.num_computed_tokens - before['long']} prompt tokens "
+                                                 f"({long_seq.num_computed_tokens}/{len(long_ids)} computed)")
+            print(f"  step {step:3d}: {decodes} decodes{chunk}  {1000 * (now - step_start):6.1f} ms")
+    print(f"\nThe long prompt's first token came {long_first_token - long_arrived:.2f} s after it arrived. The chats' "
+          f"longest wait between two tokens: {1000 * longest_gap:.0f} ms.")
+    start = time.perf_counter()
+    engine.run_dummy_step(len(long_ids), engine.kv_cache)  # the whole prompt in one step, as stage 05 runs it
+    print(f"The whole prompt in one step (stage 05's way) takes {1000 * (time.perf_counter() - start):.0f} ms: "
+          "every chat would have waited that long for its next token.")
+    for request_id, prompt in chats.items():
+        print(f"\n{request_id} {prompt!r}")
+
+
+def main() -> None:
+    parser = stage_parser(__package__, EngineConfig)
+    add_limit_args(parser)
+    add_trace_args(parser)
+    args = parser.parse_args()
+    try:
+        engine = Engine(config_from_args(EngineConfig, args))
+    except (DeviceUnavailable, ValueError) as exc:  # no such device; a budget below max_num_seqs
+        raise SystemExit(f"error: {exc}") from None
+    cache = engine.kv_cache
+    print(f"Loaded {args.model} on {engine.device} ({engine.dtype}), context {engine.max_model_len} tokens")
+    print(f"KV cache: {cache.num_blocks} blocks x {args.block_size} tokens = {engine.kv_capacity_tokens} tokens, "
+          f"{cache.num_bytes / 2**20:.0f} MiB ({cache.shape.bytes_per_token} bytes per token)")
+    print(f"Steps: up to {args.max_num_seqs} sequences, {engine.max_num_batched_tokens} tokens (decodes first, "
+          "then prompt chunks)")
+    print(f"Prefix cache: {args.prefix_cache}")
+    if args.demo:
+        demo(engine, args.max_tokens)
+        return
+    import uvicorn
+
+    from .server import create_app
+
+    app = create_app(AsyncEngine(engine), served_name(args.model), Limits.from_args(args),
+                     Tracer.from_args(args))
+    uvicorn.run(app, host=args.host, port=args.port)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""Every knob of the engine, in one place.
+
+Each stage adds the fields its lesson needs. The command line (``python -m NN_name --help`` has one
+flag per field), the server, the tests and the benchmark all build the engine from this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.cli import DEVICES, DTYPES
+from common.weights import DEFAULT_MODEL
+
+# The step's token budget when --max-num-batched-tokens is 0. On this course's 2-core CPU a step costs about 3.5 ms
+# per prompt token: a chunk of 256 holds every stream up for under a second, and the step's fixed cost (reading
+# every weight once) is still small beside it (notebooks/06_chunked_prefill.ipynb measures the trade-off). A GPU
+# computes a few thousand tokens in the time it reads the weights once: vLLM's API server takes 8192 there.
+CPU_TOKEN_BUDGET = 256
+CUDA_TOKEN_BUDGET = 8192
+
+
+@dataclass
+class EngineConfig:
+    model: str = field(default=DEFAULT_MODEL,
+                       metadata={"help": "embedded model name or a local Hugging Face folder"})
+    device: str = field(default="auto", metadata={"help": "auto picks CUDA when present", "choices": DEVICES})
+    dtype: str = field(default="auto", metadata={"help": "auto is float32 on CPU, bfloat16 on CUDA",
+                                                 "choices": DTYPES})
+    # Stage 03: the paged KV cache.
+    kv_cache_mb: int = field(default=0, metadata={
+        "help": "KV-cache pool size in MiB; 0 is 512 on a CPU and, on CUDA, what the card has left"})
+    gpu_memory_utilization: float = field(
+        default=0.9, metadata={"help": "on CUDA, the share of free memory (after the weights) the pool takes"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block", "choices": [16, 32, 64, 128]})
+    # Stage 04: continuous batching.
+    max_num_seqs: int = field(default=64, metadata={"help": "the largest decode batch"})
+    # Stage 06: chunked prefill (the budget was stage 04's limit on one prefill; now it holds every step).
+    max_num_batched_tokens: int = field(default=0, metadata={
+        "help": "the token budget of one step, decodes and prompt chunks together (at least max_num_seqs); "
+                f"0 is {CPU_TOKEN_BUDGET} on a CPU and {CUDA_TOKEN_BUDGET} on CUDA"})
+    # Stage 05: the prefix cache.
+    prefix_cache: str = field(default="hash", metadata={
+        "help": "how cached blocks are found: a chained SHA-256 per block, a radix tree of token blocks, or off",
+        "choices": ["hash", "radix", "off"]})
