@@ -23,7 +23,7 @@ help:
 	@echo "                                 (a prefix cache's workload): results/<device>/NN_name_shared_prefix.json"
 	@echo "make soak [STAGE=NN]             waves of 256 streaming clients: every request whole, memory flat"
 	@echo "make mixed                       chat streams while long prompts arrive: 05, then 06 at several token"
-	@echo "                                 budgets -> results/<device>/mixed.json + .png (about half an hour)"
+	@echo "                                 budgets -> results/<device>/mixed.json + .png (about 15 minutes)"
 	@echo "make notebook         open Jupyter Lab in notebooks/, to work through the benchmark notebooks"
 	@echo "make notebooks        re-run every notebook in notebooks/ and save its outputs"
 	@echo "make homework [STAGE=NN]         write a student copy to homework/NN_name/ (see its EXERCISES.md)"

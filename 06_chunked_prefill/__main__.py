@@ -31,6 +31,7 @@ def demo(engine: Engine, max_tokens: int) -> None:
     print(f"\n3 chats start; at step 4 a {len(long_ids)}-token prompt arrives. Budget: {budget} tokens a step, "
           "decodes first, then prompt chunks:")
     last_token: dict[str, float] = {}
+    answers: dict[str, list[int]] = {request_id: [] for request_id in chats}
     longest_gap, step, long_arrived, long_first_token = 0.0, 0, 0.0, 0.0
     while engine.has_unfinished():
         step += 1
@@ -44,17 +45,20 @@ def demo(engine: Engine, max_tokens: int) -> None:
         now = time.perf_counter()
         for output in outputs:
             if output.request_id in chats:
+                answers[output.request_id] += output.token_ids
                 if output.request_id in last_token:
                     longest_gap = max(longest_gap, now - last_token[output.request_id])
                 last_token[output.request_id] = now
             elif output.completion_tokens == 1:
                 long_first_token = now
         long_seq = next((seq for seq in seqs if seq.request_id == "long"), None)
-        if long_seq is not None and long_seq.output_ids == [] or step <= 4 or step % 16 == 0:
-            decodes = sum(1 for output in outputs if output.request_id in chats)
-            chunk = "" if long_seq is None else (f" + {long_seq.num_computed_tokens - before['long']} prompt tokens "
-                                                 f"({long_seq.num_computed_tokens}/{len(long_ids)} computed)")
-            print(f"  step {step:3d}: {decodes} decodes{chunk}  {1000 * (now - step_start):6.1f} ms")
+        prefilling = long_seq is not None and before["long"] < len(long_ids)  # this step ran a chunk of it
+        if prefilling or step <= 4 or step % 16 == 0:
+            chat_tokens = sum(1 for output in outputs if output.request_id in chats)
+            chunk = "" if not prefilling else (
+                f" + {min(long_seq.num_computed_tokens, len(long_ids)) - before['long']} tokens of the long prompt "
+                f"({min(long_seq.num_computed_tokens, len(long_ids))}/{len(long_ids)})")
+            print(f"  step {step:3d}: {chat_tokens} chat tokens{chunk}  {1000 * (now - step_start):6.1f} ms")
     print(f"\nThe long prompt's first token came {long_first_token - long_arrived:.2f} s after it arrived. The chats' "
           f"longest wait between two tokens: {1000 * longest_gap:.0f} ms.")
     start = time.perf_counter()
@@ -62,7 +66,10 @@ def demo(engine: Engine, max_tokens: int) -> None:
     print(f"The whole prompt in one step (stage 05's way) takes {1000 * (time.perf_counter() - start):.0f} ms: "
           "every chat would have waited that long for its next token.")
     for request_id, prompt in chats.items():
-        print(f"\n{request_id} {prompt!r}")
+        ids = answers[request_id]  # they ran on past their end (ignore_eos, so that they decode throughout): cut it
+        ids = ids[: next((i for i, t in enumerate(ids) if t in engine.eos_token_ids), len(ids))]
+        answer = engine.tokenizer.decode(ids, skip_special_tokens=True)
+        print(f"\n{request_id} {prompt!r}\n  -> {answer!r}")
 
 
 def main() -> None:

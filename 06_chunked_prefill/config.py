@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 from common.cli import DEVICES, DTYPES
 from common.weights import DEFAULT_MODEL
 
-# The step's token budget when --max-num-batched-tokens is 0. On this course's 2-core CPU a step costs about 3.5 ms
-# per prompt token: a chunk of 256 holds every stream up for under a second, and the step's fixed cost (reading
-# every weight once) is still small beside it (notebooks/06_chunked_prefill.ipynb measures the trade-off). A GPU
-# computes a few thousand tokens in the time it reads the weights once: vLLM's API server takes 8192 there.
+# The step's token budget when --max-num-batched-tokens is 0. On this course's 2-core CPU a prompt token costs a few
+# milliseconds: a chunk of 256 holds every stream up for about a second, and the step's fixed cost (reading every
+# weight once, about 60 ms) is small beside it. The mixed workload (python -m common.mixed) measures the trade-off
+# across budgets; see the stage README. A GPU computes thousands of tokens in the time it reads the weights once:
+# vLLM's API server takes 8192 there.
 CPU_TOKEN_BUDGET = 256
 CUDA_TOKEN_BUDGET = 8192
 
