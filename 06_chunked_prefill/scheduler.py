@@ -121,16 +121,18 @@ class Scheduler:
     def _schedule_chunk(self, seq: Sequence, budget: int) -> bool:
         """The next chunk of a running sequence's prompt: as much of the rest as ``budget`` allows, and the pool.
 
-        If the pool is short, the newest sequences not scheduled in this step give their blocks back (first
-        come, first served among prompts, and two half-computed prompts can never hold each other up); if
-        nobody is left to preempt, the chunk shrinks to what the pool holds. False if not even one token fits."""
+        If the pool is short, the sequences admitted after it and not scheduled in this step give their blocks
+        back, newest first (first come, first served among prompts, and two half-computed prompts can never hold
+        each other up); if none is left, the chunk shrinks to what the pool holds. False if not even one token
+        fits."""
         chunk = min(seq.num_new_tokens, budget)
         while not self.block_manager.can_grow(seq.block_table, seq.num_computed_tokens + chunk):
-            waiting_for_a_chunk = [s for s in self.running if s.num_scheduled_tokens == 0 and s is not seq]
-            if not waiting_for_a_chunk:
+            newer = self.running[self.running.index(seq) + 1 :]
+            unscheduled = [s for s in newer if s.num_scheduled_tokens == 0]
+            if not unscheduled:
                 chunk = min(chunk, self._room(seq))
                 break
-            self.preempt(waiting_for_a_chunk[-1])
+            self.preempt(unscheduled[-1])
         if chunk <= 0:
             return False
         self.block_manager.grow(seq.block_table, seq.num_computed_tokens + chunk)

@@ -187,6 +187,12 @@ def stage_folder(stage: str) -> str:
     return matches[0]
 
 
+def stage_command(stage: str, port: int, model: str, device: str, dtype: str) -> list[str]:
+    """The command that serves ``stage`` on 127.0.0.1:``port``."""
+    return [sys.executable, "-m", stage_folder(stage), "--port", str(port), "--host", "127.0.0.1", "--model", model,
+            "--device", device, "--dtype", dtype]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -350,8 +356,7 @@ def main(argv: list[str] | None = None) -> None:
         name = result_name(args.name or stage_folder(args.stage), args.shared_prefix_tokens)
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        server_command = [sys.executable, "-m", stage_folder(args.stage), "--port", str(port), "--host", "127.0.0.1",
-                          "--model", args.model, "--device", device, "--dtype", dtype]
+        server_command = stage_command(args.stage, port, args.model, device, dtype)
         model = served_name(args.model)
         with stage_server(server_command, url):
             stream, levels = asyncio.run(measure(url, model, not args.no_stream, sweep, name, args.extra_body,

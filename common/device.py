@@ -37,8 +37,8 @@ def keep_freed_memory() -> None:
     keys and values into new tensors (64 sequences of 1,000 tokens: 50 MB per layer, twice); profiled,
     each such ``index_select`` took 14.8 ms into fresh pages and 2.5 ms into reused ones, and the decode
     step 1.6 s against 0.64 s. With a higher mmap threshold the memory stays in the process and is
-    reused from one step to the next. Production CPU inference
-    gets the same effect by preloading tcmalloc or jemalloc. No effect off glibc (macOS, musl).
+    reused from one step to the next. Production CPU inference gets the same effect by preloading
+    tcmalloc or jemalloc. No effect off glibc (macOS, musl).
     """
     try:
         libc = ctypes.CDLL("libc.so.6")

@@ -249,11 +249,12 @@ class LevelResult:
 # --- one request -------------------------------------------------------------------------------
 
 
-async def send_streaming(client: httpx.AsyncClient, workload: Workload, record: RequestRecord) -> None:
-    """Send one streaming request and fill in ``record`` from its server-sent events."""
-    start = time.perf_counter()
+async def stream_chunks(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple[list[float], int]:
+    """Send one streaming request; return the arrival time of each chunk that carries a token, and the
+    output tokens the server counted (its ``usage``)."""
     chunk_times: list[float] = []  # arrival of each chunk that carries a token, from the first text on
-    async with client.stream("POST", "/v1/completions", json=workload.body(record.index)) as response:
+    output_tokens = 0
+    async with client.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
             await response.aread()
             raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
@@ -265,17 +266,24 @@ async def send_streaming(client: httpx.AsyncClient, workload: Workload, record: 
             if "error" in event:  # the stream had started when generation failed
                 raise RuntimeError(event["error"].get("message", "error event in the stream"))
             if event.get("usage"):
-                record.output_tokens = event["usage"]["completion_tokens"]
+                output_tokens = event["usage"]["completion_tokens"]
             choice = (event.get("choices") or [None])[0]
             # The first token the user sees is the first chunk with text (a server may send "" while
             # it holds back half a character). After that, the last chunk counts even if it is empty.
             if choice and (choice.get("text") or (chunk_times and choice.get("finish_reason"))):
                 chunk_times.append(now)
-    end = time.perf_counter()
     if not chunk_times:
         raise RuntimeError("the stream carried no text")
-    if record.output_tokens == 0:  # counting chunks instead would undercount (a chunk may hold two tokens)
+    if output_tokens == 0:  # counting chunks instead would undercount (a chunk may hold two tokens)
         raise RuntimeError("no usage numbers: the server ignored stream_options.include_usage")
+    return chunk_times, output_tokens
+
+
+async def send_streaming(client: httpx.AsyncClient, workload: Workload, record: RequestRecord) -> None:
+    """Send one streaming request and fill in ``record`` from its server-sent events."""
+    start = time.perf_counter()
+    chunk_times, record.output_tokens = await stream_chunks(client, workload.body(record.index))
+    end = time.perf_counter()
     record.ttft_s = chunk_times[0] - start
     gaps = np.diff(chunk_times)
     record.itl_s = float(gaps.mean()) if len(gaps) else None

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import shlex
 import sys
@@ -53,11 +52,12 @@ from common.bench import (
     free_port,
     git_state,
     machine_info,
+    stage_command,
     stage_folder,
     stage_server,
 )
 from common.cli import served_name
-from common.loadgen import PROMPTS, shared_prefix
+from common.loadgen import Workload, shared_prefix, stream_chunks
 from common.weights import DEFAULT_MODEL
 
 
@@ -110,48 +110,21 @@ class MixedRun:
         }
 
 
-async def stream_one(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple[list[float], int]:
-    """One streamed completion: the arrival time of every chunk that carries text, and the tokens it made."""
-    times: list[float] = []
-    tokens = 0
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            await response.aread()
-            raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[len("data: "):])
-            if "error" in event:
-                raise RuntimeError(event["error"].get("message", "error event in the stream"))
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-            choice = (event.get("choices") or [None])[0]
-            if choice and choice.get("text"):
-                times.append(time.perf_counter())
-    if not times:
-        raise RuntimeError("the stream carried no text")
-    return times, tokens
-
-
-def request_body(model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-
-
 async def run_mixed(url: str, model: str, workload: MixedWorkload, run: MixedRun) -> None:
     """Drive the server with the streams and the long prompts; fill ``run`` in."""
+    chats = Workload(url, model, workload.stream_max_tokens)  # the standard workload's prompts, in turn
+    longs = Workload(url, model, workload.long_max_tokens,
+                     prompts=[workload.long_prompt(i) for i in range(workload.long_prompts)])
     limits = httpx.Limits(max_connections=workload.streams + workload.long_prompts + 1)
     async with httpx.AsyncClient(base_url=url, timeout=1800, limits=limits) as client:
-        await stream_one(client, request_body(model, PROMPTS[0], 4))  # warm-up: the first request pays for nothing
+        await stream_chunks(client, chats.body(0))  # warm-up: the first request pays for nothing
         start, stop = time.perf_counter(), asyncio.Event()
 
         async def chat(k: int) -> None:
             i = 0
             while not stop.is_set():
                 try:
-                    times, tokens = await stream_one(client, request_body(
-                        model, PROMPTS[(k + i) % len(PROMPTS)], workload.stream_max_tokens))
+                    times, tokens = await stream_chunks(client, chats.body(k + i))
                 except Exception:  # noqa: BLE001 (a benchmark counts errors, it does not die of them)
                     run.errors += 1
                     continue
@@ -163,8 +136,7 @@ async def run_mixed(url: str, model: str, workload: MixedWorkload, run: MixedRun
             await asyncio.sleep(workload.lead_in_s + index * workload.long_every_s)
             sent = time.perf_counter()
             try:
-                times, tokens = await stream_one(client, request_body(model, workload.long_prompt(index),
-                                                                      workload.long_max_tokens))
+                times, tokens = await stream_chunks(client, longs.body(index))
             except Exception:  # noqa: BLE001
                 run.errors += 1
                 return
@@ -180,14 +152,12 @@ async def run_mixed(url: str, model: str, workload: MixedWorkload, run: MixedRun
 
 def measure(stage: str, budget: int | None, model: str, device: str, dtype: str, workload: MixedWorkload) -> MixedRun:
     """Start ``stage``'s server (with ``budget``, if given), run the workload against it, stop it."""
-    folder = stage_folder(stage)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", folder, "--port", str(port), "--host", "127.0.0.1", "--model", model,
-               "--device", device, "--dtype", dtype]
+    command = stage_command(stage, port, model, device, dtype)
     if budget is not None:
         command += ["--max-num-batched-tokens", str(budget)]
-    label = folder if budget is None else f"{folder} budget {budget}"
+    label = stage_folder(stage) if budget is None else f"{stage_folder(stage)} budget {budget}"
     run = MixedRun(label, f"{int(stage):02d}", budget, shlex.join(command))
     with stage_server(command, url):
         asyncio.run(run_mixed(url, served_name(model), workload, run))

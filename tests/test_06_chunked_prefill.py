@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from .conftest import REPO, make_engine, stage
+from .test_05_prefix_cache import books_balance, chat  # the library's system prompt, and a pool at rest
 from .test_attention import dense_attention, extend_meta, paged_case
 
 FOLDER = "06_chunked_prefill"
@@ -24,13 +25,6 @@ block_manager = stage(FOLDER, "block_manager")
 sampler = stage(FOLDER, "sampler")
 model_runner = stage(FOLDER, "model_runner")
 attention = stage(FOLDER, "attention")
-
-# About 90 tokens of system prompt (chat template included): several chunks at the budgets below.
-SYSTEM = ("You are a careful assistant for a public library. Answer in one short paragraph. Cite the shelf "
-          "section when you recommend a book. Never invent a title; if you do not know, say so. The library "
-          "opens at nine and closes at six, except on Sundays, when it is closed. Members may borrow ten books "
-          "for three weeks; the fine for a late book is ten cents a day. ")
-
 
 # --- the scheduler, without a model ------------------------------------------------------------------
 
@@ -150,7 +144,7 @@ class Simulation:
     def step(self) -> None:
         s = self.scheduler
         decoding = [q for q in s.running if q.num_new_tokens == 1]
-        waiting_before = list(s.waiting)
+        running_before, waiting_before = list(s.running), list(s.waiting)
         preemptions = s.num_preemptions
         batch = s.schedule()
         assert batch.num_tokens <= self.budget, "the budget was exceeded"
@@ -160,6 +154,10 @@ class Simulation:
         assert admitted == waiting_before[: len(admitted)], "first come, first served"
         if s.num_preemptions > preemptions:
             assert not admitted
+        preempted = [q for q in running_before if q.status is sequence.SequenceStatus.WAITING]
+        for q in batch.seqs:  # the newest give their blocks up, never one older than a sequence that runs
+            assert q not in running_before or all(running_before.index(p) > running_before.index(q)
+                                                  for p in preempted), "an older sequence was preempted"
         prompts = [q for q in batch.seqs if q.num_scheduled_tokens > 1 or q.num_new_tokens > 1]
         for q in prompts[:-1]:  # every prompt but the last to get tokens got all it had left, or the pool ran dry
             assert q.num_scheduled_tokens == q.num_new_tokens or self.blocks.num_available == 0
@@ -262,10 +260,6 @@ def greedy(max_tokens: int, **kwargs):
     return sampler.SamplingParams(max_tokens=max_tokens, temperature=0.0, **kwargs)
 
 
-def chat(engine, question: str) -> list[int]:
-    return engine.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}])
-
-
 def run_all(engine) -> dict[str, list]:
     """Step until everyone is done; each request's outputs."""
     outputs: dict[str, list] = {}
@@ -280,16 +274,9 @@ def tokens(outputs) -> list[int]:
     return [t for output in outputs for t in output.token_ids]
 
 
-def books_balance(engine) -> None:
-    blocks = engine.block_manager
-    assert blocks.num_used == 0 and not engine.has_unfinished()
-    assert blocks.num_evictable + blocks.num_free == blocks.num_blocks
-    assert all(count == 0 for count in blocks.ref_counts)
-
-
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    """Budget 16, no prefix cache: chunking alone (the system prompt above is seven chunks)."""
+    """Budget 16, no prefix cache: chunking alone (stage 05's library system prompt is seven chunks)."""
     return make_engine(FOLDER, model_dir, kv_cache_mb=64, max_num_batched_tokens=16, max_num_seqs=4,
                        prefix_cache="off")
 
