@@ -80,22 +80,43 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     return blocks.view(block_tables.shape[0], -1, *cache.shape[2:])
 
 
+def length_groups(seq_lens: torch.Tensor, shortest: int = 256) -> list[torch.Tensor]:
+    """The batch's rows sorted by length, in groups whose longest is at most twice their first
+    (lengths up to ``shortest`` all in the first group): padding a group to its longest then wastes
+    at most half of it."""
+    lengths, order = torch.sort(seq_lens)
+    groups, first = [], 0
+    for i, length in enumerate(lengths.tolist()):
+        if length > 2 * max(int(lengths[first]), shortest):
+            groups.append(order[first:i])
+            first = i
+    return [*groups, order[first:]]
+
+
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor,
                                scale: float) -> torch.Tensor:
     """Each sequence's single query attends to all of its cached tokens (its own new one included).
 
-    The whole batch at once: gather every sequence's keys and values into a padded [B, L] layout,
-    then one masked attention. No Python loop over the sequences."""
+    Many sequences at once: gather their keys and values into a padded [B, L] layout, then one
+    masked attention, no Python loop over the sequences. Padding costs as much as real keys, so
+    sequences of very different lengths (one 3,000-token document among 200-token chats) do not
+    share one layout: they go in groups of similar length, each padded to its own longest."""
     # q: [B, H, D]; caches: [N, S, Hkv, D]; block_tables: [B, max_blocks]; seq_lens: [B] -> [B, H, D]
-    keys = gather_kv(k_cache, block_tables).transpose(1, 2)  # [B, Hkv, L, D]
-    values = gather_kv(v_cache, block_tables).transpose(1, 2)
-    positions = torch.arange(keys.shape[2], device=q.device)
-    visible = positions[None, :] < seq_lens[:, None]  # [B, L]: False on padding
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q[:, :, None, :], keys, values, attn_mask=visible[:, None, None, :], scale=scale,
-        enable_gqa=True)  # [B, H, 1, D]: each KV head serves its group of query heads
-    return out[:, :, 0]
+    out = torch.empty_like(q)
+    block_size = k_cache.shape[1]
+    for rows in length_groups(seq_lens):
+        lens = seq_lens[rows]  # [G]
+        tables = block_tables[rows, : -(-int(lens.max()) // block_size)]  # [G, blocks of the group's longest]
+        keys = gather_kv(k_cache, tables).transpose(1, 2)  # [G, Hkv, L, D]
+        values = gather_kv(v_cache, tables).transpose(1, 2)
+        positions = torch.arange(keys.shape[2], device=q.device)
+        visible = positions[None, :] < lens[:, None]  # [G, L]: False on padding
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[rows, :, None, :], keys, values, attn_mask=visible[:, None, None, :], scale=scale,
+            enable_gqa=True)  # [G, H, 1, D]: each KV head serves its group of query heads
+        out[rows] = o[:, :, 0]
+    return out
 
 
 def extend_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -110,11 +131,18 @@ def extend_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         start, end = starts[i], starts[i + 1]
         keys = gather_kv(k_cache, meta.block_tables[i : i + 1])[0, :seq_len].transpose(0, 1)  # [Hkv, L, D]
         values = gather_kv(v_cache, meta.block_tables[i : i + 1])[0, :seq_len].transpose(0, 1)
-        query_positions = torch.arange(seq_len - (end - start), seq_len, device=q.device)  # [n]
-        visible = torch.arange(seq_len, device=q.device)[None, :] <= query_positions[:, None]  # [n, L]
+        # As a batch of one, [1, H, n, D]: 4-D inputs take PyTorch's fused (flash) CPU kernel, which works
+        # through the keys a block at a time; 3-D inputs take its unfused path, which holds every [H, n, L]
+        # score at once (324 MB a layer for a 3,000-token prompt) and is three times slower.
+        if end - start == seq_len:  # nothing cached before these tokens: plain causal attention, where the
+            visible = None  # kernel skips the key blocks above the diagonal (half of the work)
+        else:
+            query_positions = torch.arange(seq_len - (end - start), seq_len, device=q.device)  # [n]
+            visible = torch.arange(seq_len, device=q.device)[None, :] <= query_positions[:, None]  # [n, L]
         o = torch.nn.functional.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1), keys, values, attn_mask=visible, scale=scale, enable_gqa=True)
-        out[start:end] = o.transpose(0, 1)  # [n, H, D]
+            q[start:end].transpose(0, 1)[None], keys[None], values[None], attn_mask=visible,
+            is_causal=visible is None, scale=scale, enable_gqa=True)  # [1, H, n, D]
+        out[start:end] = o[0].transpose(0, 1)  # [n, H, D]
     return out
 
 

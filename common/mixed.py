@@ -3,28 +3,34 @@
     python -m common.mixed                                         # stage 05, then 06 at each budget
     python -m common.mixed --stages 06 --budgets 256 --long-prompts 2   # one quick look
 
-``streams`` chat clients each send one short request after another (a closed loop, ``ignore_eos``, a
-fixed number of tokens), so the server always has that many streams decoding. Meanwhile a long prompt
-(``long_tokens``: 2,000 to 4,000 tokens of text, each starting differently, so that no prefix cache can
-share them) arrives every ``long_every_s`` seconds and asks for a few tokens. When the last long prompt
-has its answer, the streams finish the request they are in and stop.
+``streams`` chat clients each send one short request after another (a closed loop, ``ignore_eos``), so
+the server always has that many streams decoding. Each request asks for a number of tokens drawn
+between ``stream_tokens`` (seeded) and the streams start half a second apart, so that they do not
+start, finish and prefill in lockstep. After ``lead_in_s`` seconds a long prompt (``long_tokens``:
+2,000 to 4,000 tokens of text, each starting differently, so that no prefix cache can share them)
+arrives every ``long_every_s`` seconds and asks for a few tokens. When the last long prompt has its
+answer, the streams finish the request they are in and stop.
 
-What a user feels, and what the run records:
+What a user feels, and what the run records, over its *measured window*: from the first long
+prompt's arrival to the last one's answer (the lead-in before it is the streams' steady state):
 
 - every gap between two streamed chunks of the chat requests, with its time: their median is the
   normal pace of a stream, their 99th percentile and maximum the *stalls* when a prefill holds every
   stream up (stage 05 runs a whole prompt in one step; stage 06 a chunk of it per step);
 - each long prompt's time to first token;
-- the output tokens of everyone, per second of the run: the total work done, which a smaller step
-  should not cut by much.
+- everyone's output tokens per second of the window (a chat request's tokens counted where its
+  chunks arrived): the work done, which a smaller step should not cut by much.
 
 A stage 06 server runs once per budget (``--max-num-batched-tokens``), so the result is a trade-off
 curve: a small budget keeps the streams smooth and makes the long prompt wait longer. Everything goes
 to one JSON file and one figure (``results/<device>/mixed.json`` and ``.png``).
 
-On this course's 2-core CPU a 3,000-token prefill takes about 10 s, so the long prompts come every 20 s
-(not every few seconds, as they would on a GPU): the server keeps up (it prefills about half the time),
-and stage 05's stalls are more than 1% of the gaps, where a 99th percentile sees them.
+How often the long prompts come decides what a 99th percentile can see. Each long prompt costs each
+stream one stall, and a stall must be more than 1% of a stream's gaps to show in the p99. On this
+course's 2-core CPU a 3,000-token prompt takes about 7 s to prefill alone and a decode step of 16
+streams about 120 ms, so with a long prompt every 15 s a stream makes about 60 tokens between two
+stalls (the stall is 1.6% of its gaps), and stage 05 still keeps up (it prefills about half the time).
+On a GPU the same prompts take tens of milliseconds, and they would come every few seconds.
 """
 
 from __future__ import annotations
@@ -64,11 +70,12 @@ from common.weights import DEFAULT_MODEL
 @dataclass
 class MixedWorkload:
     streams: int = 16  # chat clients, each decoding continuously
-    stream_max_tokens: int = 128  # tokens per chat request
+    stream_tokens: tuple[int, int] = (64, 192)  # tokens per chat request, drawn uniformly (seeded)
+    stream_stagger_s: float = 0.5  # chat client k starts k times this late
     long_prompts: int = 6  # long prompts in the run; it ends when the last has its answer
     long_tokens: tuple[int, int] = (2000, 4000)  # a long prompt's length, drawn uniformly (seeded)
-    long_every_s: float = 20.0  # one long prompt every this many seconds
-    lead_in_s: float = 10.0  # the streams alone before the first long prompt: the steady state to compare with
+    long_every_s: float = 15.0  # one long prompt every this many seconds
+    lead_in_s: float = 15.0  # the streams alone before the first long prompt: the steady state to compare with
     long_max_tokens: int = 16
     seed: int = 0
 
@@ -78,23 +85,38 @@ class MixedWorkload:
         return f"Case file {index + 1}, reference {(index + 1) * 7919 % 100003:05d}.\n{shared_prefix(tokens)}" \
                f"\nSummarize case file {index + 1} in one sentence."
 
+    def chat_tokens(self, stream: int, request: int) -> int:
+        """How many tokens chat client ``stream`` asks for in its ``request``-th request (seeded)."""
+        return random.Random(f"{self.seed}/{stream}/{request}").randint(*self.stream_tokens)
+
 
 @dataclass
 class MixedRun:
-    """One server's run: every chat gap and long-prompt TTFT, with when it happened (seconds from the start)."""
+    """One server's run: every chat gap and long-prompt TTFT, with when it happened (seconds from the start).
+
+    ``window`` is the measured window (the first long prompt's arrival, the last one's answer); the
+    chat gaps before it are the lead-in's, kept for the timeline and left out of the summary."""
 
     label: str
     stage: str
     budget: int | None  # --max-num-batched-tokens, for stage 06 on
     server_command: str
-    wall_s: float = 0.0
-    output_tokens: int = 0
+    window: tuple[float, float] = (0.0, 0.0)
+    window_tokens: float = 0.0  # output tokens that arrived in the window (a chat request's spread over its chunks)
     errors: int = 0
     chat_gaps: list[tuple[float, float]] = field(default_factory=list)  # (when, gap s)
+    answers: list[tuple[list[float], int]] = field(default_factory=list)  # every request's (chunk times, tokens)
     long_ttfts: list[tuple[float, float]] = field(default_factory=list)  # (sent at, TTFT s)
 
+    def count_window_tokens(self) -> None:
+        """Output tokens in the window: a request's tokens pro rata of its chunks that arrived in it."""
+        begin, end = self.window
+        self.window_tokens = sum(tokens * sum(begin <= t <= end for t in times) / len(times)
+                                 for times, tokens in self.answers)
+
     def summary(self) -> dict[str, Any]:
-        gaps = [gap for _, gap in self.chat_gaps]
+        begin, end = self.window
+        gaps = [gap for when, gap in self.chat_gaps if begin <= when <= end]
         ttfts = [ttft for _, ttft in self.long_ttfts]
         p50, p99 = np.percentile(gaps, [50, 99]) if gaps else (None, None)
         return {
@@ -103,51 +125,56 @@ class MixedRun:
             "budget": self.budget,
             "chat_itl_s": {"p50": float(p50), "p99": float(p99), "max": max(gaps)} if gaps else None,
             "long_ttft_s": {"mean": float(np.mean(ttfts)), "max": max(ttfts)} if ttfts else None,
-            "output_tokens": self.output_tokens,
-            "output_tokens_per_s": self.output_tokens / self.wall_s if self.wall_s else 0.0,
+            "window_s": end - begin,
+            "output_tokens": self.window_tokens,
+            "output_tokens_per_s": self.window_tokens / (end - begin) if end > begin else 0.0,
             "errors": self.errors,
-            "wall_s": self.wall_s,
         }
 
 
 async def run_mixed(url: str, model: str, workload: MixedWorkload, run: MixedRun) -> None:
-    """Drive the server with the streams and the long prompts; fill ``run`` in."""
-    chats = Workload(url, model, workload.stream_max_tokens)  # the standard workload's prompts, in turn
+    """Drive the server with the streams and the long prompts; fill ``run`` in (times from the start)."""
+    chats = Workload(url, model, max_tokens=0)  # the standard workload's prompts, in turn; lengths drawn per request
     longs = Workload(url, model, workload.long_max_tokens,
                      prompts=[workload.long_prompt(i) for i in range(workload.long_prompts)])
     limits = httpx.Limits(max_connections=workload.streams + workload.long_prompts + 1)
     async with httpx.AsyncClient(base_url=url, timeout=1800, limits=limits) as client:
-        await stream_chunks(client, chats.body(0))  # warm-up: the first request pays for nothing
+        await stream_chunks(client, {**chats.body(0), "max_tokens": 8})  # warm-up: the first request pays for nothing
         start, stop = time.perf_counter(), asyncio.Event()
 
         async def chat(k: int) -> None:
+            await asyncio.sleep(k * workload.stream_stagger_s)
             i = 0
             while not stop.is_set():
                 try:
-                    times, tokens = await stream_chunks(client, chats.body(k + i))
+                    body = {**chats.body(k + i), "max_tokens": workload.chat_tokens(k, i)}
+                    times, tokens = await stream_chunks(client, body)
                 except Exception:  # noqa: BLE001 (a benchmark counts errors, it does not die of them)
                     run.errors += 1
                     continue
                 run.chat_gaps += [(b - start, b - a) for a, b in pairwise(times)]
-                run.output_tokens += tokens
+                run.answers.append(([t - start for t in times], tokens))
                 i += 1
 
-        async def long(index: int) -> None:
+        async def long(index: int) -> float:
+            """Send long prompt ``index`` on schedule; return when its answer ended (from the start)."""
             await asyncio.sleep(workload.lead_in_s + index * workload.long_every_s)
             sent = time.perf_counter()
             try:
                 times, tokens = await stream_chunks(client, longs.body(index))
             except Exception:  # noqa: BLE001
                 run.errors += 1
-                return
+                return time.perf_counter() - start
             run.long_ttfts.append((sent - start, times[0] - sent))
-            run.output_tokens += tokens
+            run.answers.append(([t - start for t in times], tokens))
+            return times[-1] - start
 
         streams = [asyncio.create_task(chat(k)) for k in range(workload.streams)]
-        await asyncio.gather(*(long(i) for i in range(workload.long_prompts)))
+        ends = await asyncio.gather(*(long(i) for i in range(workload.long_prompts)))
         stop.set()
         await asyncio.gather(*streams)
-        run.wall_s = time.perf_counter() - start
+    run.window = (workload.lead_in_s, max(ends))
+    run.count_window_tokens()
 
 
 def measure(stage: str, budget: int | None, model: str, device: str, dtype: str, workload: MixedWorkload) -> MixedRun:
@@ -205,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
         **git_state(),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "runs": [{**run.summary(), "server_command": run.server_command, "chat_gaps": run.chat_gaps,
-                  "long_ttfts": run.long_ttfts} for run in runs],
+                  "long_ttfts": run.long_ttfts, "window": run.window} for run in runs],
     }
     out_dir = args.out or RESULTS / device
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -178,8 +178,9 @@ def plot_traces(ax: Axes, traces: list[dict[str, Any]], title: str) -> None:
 def plot_mixed(result: Result, out: str | Path) -> Path:
     """The mixed workload (common/mixed.py), in two panels. Left: every gap between two tokens of a chat stream,
     over the run, for the stage without a token budget and for stage 06 at the budget nearest 256 (grey lines:
-    a long prompt arrives). Right: the budget's trade-off, the chat streams' p99 gap against the long prompts'
-    mean time to first token, one point per budget, the stage without a budget as a star."""
+    a long prompt arrives; shaded: the lead-in before the measured window). Right: the budget's trade-off, the
+    chat streams' p99 gap against the long prompts' mean time to first token, one point per budget, the stage
+    without a budget as a star."""
     fig = Figure(figsize=(13, 4.8), layout="constrained")
     FigureCanvasAgg(fig)
     timeline, tradeoff = fig.subplots(1, 2)
@@ -192,8 +193,10 @@ def plot_mixed(result: Result, out: str | Path) -> Path:
         timeline.scatter(when, [1000 * gap for gap in gaps], s=4, alpha=0.5, label=run["label"])
     for sent, _ in shown[0]["long_ttfts"] if shown else []:
         timeline.axvline(sent, color="grey", linewidth=0.8, alpha=0.6)
+    if shown and "window" in shown[0]:
+        timeline.axvspan(0, shown[0]["window"][0], color="grey", alpha=0.1)  # the lead-in: not in the summary
     timeline.set(yscale="log", xlabel="seconds into the run", ylabel="gap between two tokens of a chat stream (ms)",
-                 title="Chat streams while long prompts arrive (grey)")
+                 title="Chat streams while long prompts arrive (grey; shaded: lead-in)")
     timeline.legend(markerscale=4)
     if chunked:
         x = [run["long_ttft_s"]["mean"] for run in chunked]

@@ -237,7 +237,7 @@ def test_prepare_scores_prompt_rows_chunk_by_chunk():
 
 
 @pytest.mark.exercise("6.3")
-@pytest.mark.parametrize("cached_new", [[(0, 7)], [(16, 7), (23, 9)], [(5, 1), (33, 16), (70, 1), (7, 30)]], ids=str)
+@pytest.mark.parametrize("cached_new", [[(9, 7)], [(16, 7), (23, 9)], [(5, 1), (33, 16), (70, 1), (7, 30)]], ids=str)
 def test_a_chunk_attends_causally_over_its_cached_context(cached_new):
     """Chunk j of a prompt, after c cached tokens, is rows c .. c + n - 1 of causal attention over the prompt."""
     seq_lens, num_new = [c + n for c, n in cached_new], [n for _, n in cached_new]

@@ -103,7 +103,7 @@ def extend_meta(attn, cached_new: list[tuple[int, int]], block_tables: torch.Ten
 
 @graded("3.3")
 @pytest.mark.parametrize("group", [1, 3])
-@pytest.mark.parametrize("seq_lens", [[1], [16], [17, 5, 40], [100, 33]])
+@pytest.mark.parametrize("seq_lens", [[1], [16], [17, 5, 40], [100, 33], [3, 600, 20, 1300]])
 def test_decode_reference_equals_dense_attention(attn, seq_lens, group):
     q, k_cache, v_cache, tables, lens, dense = paged_case(0, seq_lens, 16, num_kv_heads=2, group=group)
     out = attn.decode_attention_reference(q, k_cache, v_cache, tables, lens, scale=1 / math.sqrt(64))
@@ -111,6 +111,20 @@ def test_decode_reference_equals_dense_attention(attn, seq_lens, group):
         expected = dense_attention(q[i : i + 1], k, v, causal=False)[0]
         torch.testing.assert_close(out[i], expected, atol=ATOL, rtol=0)
 
+
+
+@pytest.mark.parametrize("folder", [folder for folder in STAGES if folder >= "04"], indirect=True)
+def test_length_groups_hold_every_row_once_and_pad_at_most_twofold(attn):
+    """Stage 04's batched decode reference pads each group of rows to its longest: no group may be
+    more than twice as long at its end as at its start (short rows excepted), and no row is lost."""
+    lens = torch.tensor([700, 3, 1300, 250, 20, 600, 2900, 256, 257, 1400], dtype=torch.int32)
+    groups = attn.length_groups(lens, shortest=256)
+    rows = torch.cat(groups).tolist()
+    assert sorted(rows) == list(range(len(lens)))
+    assert [lens[rows].tolist()] == [sorted(lens.tolist())]  # sorted by length
+    for group in groups:
+        assert int(lens[group].max()) <= 2 * max(int(lens[group].min()), 256), lens[group].tolist()
+    assert len(groups) == 4  # [3 .. 257], [600, 700], [1300, 1400], [2900]
 
 # (cached, new) per sequence: whole prompts (0, n), decode-like (L, 1), a prefix hit (h, n - h) and a chunk.
 EXTEND_CASES = [[(0, 5)], [(0, 1), (0, 23)], [(16, 16)], [(7, 3), (0, 12), (40, 1)], [(31, 2), (100, 30)]]
