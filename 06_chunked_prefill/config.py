@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from common.cli import DEVICES, DTYPES
 from common.weights import DEFAULT_MODEL
 
-# The step's token budget when --max-num-batched-tokens is 0. On this course's 2-core CPU a prompt token costs a few
-# milliseconds: a chunk of 256 holds every stream up for about a second, and the step's fixed cost (reading every
-# weight once, about 60 ms) is small beside it. The mixed workload (python -m common.mixed) measures the trade-off
-# across budgets; see the stage README. A GPU computes thousands of tokens in the time it reads the weights once:
-# vLLM's API server takes 8192 there.
+# The step's token budget when --max-num-batched-tokens is 0. On this course's 2-core CPU a prompt token costs about
+# 2 ms: beside 16 decodes, a chunk of 240 makes a step of 0.5 to 1.5 s (more as the prompt grows), and the step's
+# fixed cost (reading every weight once, about 60 ms) is small beside it. The mixed workload (python -m common.mixed)
+# measures the trade-off across budgets: 256 is the smallest whose long prompts wait no longer than with more (see
+# the stage README). A GPU computes thousands of tokens in the time it reads the weights once: vLLM takes 8192 there.
 CPU_TOKEN_BUDGET = 256
 CUDA_TOKEN_BUDGET = 8192
 
