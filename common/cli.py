@@ -29,9 +29,12 @@ def stage_parser(package: str, config_type: type | None = None) -> argparse.Argu
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens per demo prompt")
     for f in dataclasses.fields(config_type) if config_type else ():
         default = f.default
-        help_text = f"{f.metadata['help']} (default: {default})"
-        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(default), default=default, help=help_text,
-                            choices=f.metadata.get("choices"))
+        flag, help_text = f"--{f.name.replace('_', '-')}", f"{f.metadata['help']} (default: {default})"
+        if isinstance(default, bool):  # a switch: --enforce-eager, and --no-enforce-eager to undo it
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
+        else:
+            parser.add_argument(flag, type=type(default), default=default, help=help_text,
+                                choices=f.metadata.get("choices"))
     return parser
 
 

@@ -34,6 +34,8 @@ VARIANTS: dict[str, list[dict]] = {folder: [{}] for folder in STAGES}
 VARIANTS["05_prefix_cache"] += [{"prefix_cache": "off"}, {"prefix_cache": "radix"}]
 # Budgets that cut every prompt into chunks at odd places (the budget holds max_num_seqs decodes at least).
 VARIANTS["06_chunked_prefill"] += [{"max_num_batched_tokens": n, "max_num_seqs": 4} for n in (7, 16, 33)]
+# Buckets of 1, 2, 4 and 7: a batch of 3, 5 or 6 sequences pads to the next one with rows that do nothing.
+VARIANTS["07_cuda_graphs"] += [{"max_num_seqs": 7}]
 CASES = [(folder, variant) for folder in STAGES for variant in VARIANTS[folder]]
 
 # On a GPU (the cuda mark: `pytest -m cuda`), every stage in float32, its pool (stage 03 on) a fixed size so

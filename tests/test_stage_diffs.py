@@ -25,6 +25,8 @@ MAY_CHANGE = {
     # chunked prefill: a token budget per step, decodes first; one pass for decode rows and prompt chunks
     "06_chunked_prefill": {"attention.py", "config.py", "engine.py", "model_runner.py", "scheduler.py",
                            "sequence.py"},
+    # CUDA graphs: decode steps from static buffers in buckets, captured on CUDA; padding rows that do nothing
+    "07_cuda_graphs": {"attention.py", "config.py", "engine.py", "model_runner.py", "triton_attention.py"},
 }
 
 
