@@ -142,10 +142,11 @@ class Engine:
         for num_tokens in (1, 2):
             self.run_dummy_step(num_tokens, self.kv_cache)
         self.capture_seconds: float | None = None  # how long capturing the graphs took; None: not captured
+        self.graph_memory_bytes = 0  # what the captured graphs hold on the GPU
         if self.device.type == "cuda" and use_triton(self.device) and not config.enforce_eager:
-            self.capture_seconds = self.runner.capture()
-            log.info("captured the decode step for batch sizes %s in %.1f s", self.runner.sizes,
-                     self.capture_seconds)
+            self.capture_seconds, self.graph_memory_bytes = self.runner.capture()
+            log.info("captured the decode step for batch sizes %s in %.1f s (%.0f MiB)", self.runner.sizes,
+                     self.capture_seconds, self.graph_memory_bytes / 2**20)
 
     def run_dummy_step(self, num_tokens: int, kv_cache: KVCache) -> None:
         """One forward pass of ``num_tokens`` tokens of one sequence that writes nothing (slot -1) and reads

@@ -265,17 +265,17 @@ class ModelRunner:
         return logits, prompt_logits
 
     @torch.inference_mode()
-    def capture(self) -> float:
-        """Capture every bucket's decode step into a CUDA graph; return the seconds it took.
+    def capture(self) -> tuple[float, int]:
+        """Capture every bucket's decode step into a CUDA graph; return the seconds it took and the bytes of
+        GPU memory it took (the graphs' shared pool: the activations of the largest bucket, mostly).
 
         Largest first, all into one memory pool: the largest graph's activations size the pool and every
         smaller one reuses them. Each bucket runs once eagerly before its capture, so that lazy work
         (Triton's compilation, cuBLAS's workspace) happens outside the graph. The buffers hold padding
         only (slot -1, context 0): capturing writes no K/V and reads none."""
         assert self.device.type == "cuda" and use_triton(self.device), "CUDA graphs need CUDA and the Triton kernels"
-        start = time.perf_counter()
-        size = self.sizes[-1]
-        self.buffers.load(StepInput([], [], [], [0], [], [], [], [], []), size)  # all padding
+        start, free_before = time.perf_counter(), torch.cuda.mem_get_info(self.device)[0]
+        self.buffers.load(StepInput([], [], [], [0], [], [], [], [], []), self.sizes[-1])  # all padding
         pool = None
         for size in reversed(self.sizes):
             self.forward_static(size)  # warm-up
@@ -286,4 +286,4 @@ class ModelRunner:
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()
-        return time.perf_counter() - start
+        return time.perf_counter() - start, free_before - torch.cuda.mem_get_info(self.device)[0]

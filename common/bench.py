@@ -97,6 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         metavar="N", help="put the same system prompt of about N tokens (default "
                         f"{DEFAULT_SHARED_PREFIX_TOKENS}) in front of every prompt, to measure a prefix cache; "
                         "the result's name gets _shared_prefix appended (also: make bench PREFIX=1)")
+    parser.add_argument("--server-args", type=shlex.split, default=[], metavar="ARGS",
+                        help="more arguments for the stage's server, as one string, e.g. --server-args=--enforce-eager "
+                             "(with --stage)")
     parser.add_argument("--levels", type=int, nargs="+", help="override the concurrency levels")
     parser.add_argument("--requests", type=int, help="override the requests per level")
     parser.add_argument("--max-tokens", type=int, help="override the output tokens per request")
@@ -356,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
         name = result_name(args.name or stage_folder(args.stage), args.shared_prefix_tokens)
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        server_command = stage_command(args.stage, port, args.model, device, dtype)
+        server_command = stage_command(args.stage, port, args.model, device, dtype) + args.server_args
         model = served_name(args.model)
         with stage_server(server_command, url):
             stream, levels = asyncio.run(measure(url, model, not args.no_stream, sweep, name, args.extra_body,

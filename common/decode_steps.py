@@ -121,7 +121,6 @@ def main(argv: list[str] | None = None) -> None:
         if args.profile:
             for batch_size in (min(args.batch_sizes), max(args.batch_sizes)):
                 step = decode_step(step_input, batch_size, args.context, block_size)
-                bucket = runner.bucket(step)
                 profiles[f"eager_{batch_size}"] = profile_step(lambda: runner.run_eager(step), engine.device)  # noqa: B023
                 profiles[f"static_{batch_size}"] = profile_step(lambda: runner.execute(step),  # noqa: B023
                                                                 engine.device)
@@ -130,7 +129,8 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"{key}: {p['aten_calls']} aten calls, {p['aten_self_cpu_ms']:.1f} ms inside them of "
                           f"{p['wall_ms_under_profiler']:.1f} ms (under the profiler)", flush=True)
     result = {"name": args.name or f"{folder}_decode_steps", "stage": folder, "device": device, "dtype": dtype,
-              "context": args.context, "capture_seconds": engine.capture_seconds, "buckets": runner.sizes,
+              "context": args.context, "capture_seconds": engine.capture_seconds,
+              "graph_memory_bytes": engine.graph_memory_bytes, "buckets": runner.sizes,
               "machine": machine_info(device), "command": shlex.join(sys.orig_argv), **git_state(),
               "date": datetime.now(UTC).isoformat(timespec="seconds"), "steps": rows, "profiles": profiles}
     out = RESULTS / device / f"{result['name']}.json"

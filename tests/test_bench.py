@@ -182,6 +182,13 @@ def test_extra_body_adds_and_removes_request_fields():
     assert args.extra_body == {"ignore_eos": None}
 
 
+def test_server_args_reach_the_stages_command_as_separate_arguments():
+    """--server-args: one string, split as a shell would, e.g. to benchmark stage 07 with --enforce-eager."""
+    args = bench.parse_args(["--stage", "07", "--server-args=--enforce-eager --max-num-seqs 8"])
+    assert args.server_args == ["--enforce-eager", "--max-num-seqs", "8"]
+    assert bench.parse_args(["--stage", "07"]).server_args == []
+
+
 # --- the shared-prefix workload (a prefix cache's benchmark, stage 05) ----------------------------
 
 

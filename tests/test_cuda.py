@@ -23,8 +23,11 @@ KERNEL_STAGES = changed_stages_with("triton_attention", "attention")
 
 
 def release_cuda_memory() -> None:
+    """Free what earlier tests left, and forget their peak: an engine sizes its pool by the activations'
+    peak in this process (``budget_bytes``), and a test's 8 GiB pool is no activation of the next engine."""
     gc.collect()
     torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
 
 
 @pytest.mark.parametrize("folder", KERNEL_STAGES)
