@@ -97,6 +97,7 @@ class StaticBuffers:
     block_tables: torch.Tensor  # [max_bs, W] int32, padding 0; W never changes (a graph bakes in the stride)
     query_start_loc: torch.Tensor  # [max_bs + 1] int32: 0, 1, 2, ... (one token a row, always)
     query_lens: torch.Tensor  # [max_bs] int32: all ones
+    logits_indices: torch.Tensor  # [max_bs] int64: 0, 1, 2, ... (each row's one token is its last)
     hidden: torch.Tensor  # [max_bs, hidden_size]: the forward pass's output
     staging: dict[str, torch.Tensor]  # the rewritten buffers' CPU twins (pinned on CUDA)
     copied: torch.cuda.Event | None = None  # on CUDA: set when the last step's copies out of staging are done
@@ -114,6 +115,7 @@ class StaticBuffers:
         staging = {name: torch.empty_like(buffer, device="cpu", pin_memory=pinned) for name, buffer in inputs.items()}
         return cls(**inputs, query_start_loc=torch.arange(max_bs + 1, dtype=torch.int32, device=device),
                    query_lens=torch.ones(max_bs, dtype=torch.int32, device=device),
+                   logits_indices=torch.arange(max_bs, dtype=torch.int64, device=device),
                    hidden=zeros(max_bs, hidden_size, dtype=dtype), staging=staging)
 
     @property
@@ -152,7 +154,7 @@ class StaticBuffers:
         return AttentionMetadata(slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[:size + 1],
                                  query_lens=self.query_lens[:size], seq_lens=self.seq_lens[:size],
                                  block_tables=self.block_tables[:size], max_query_len=1,
-                                 logits_indices=self.query_start_loc[1 : size + 1].long() - 1)
+                                 logits_indices=self.logits_indices[:size])
 
 
 class ModelRunner:
