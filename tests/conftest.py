@@ -182,3 +182,4 @@ engine05, server05 = stage_fixtures("05_prefix_cache", kv_cache_mb=64)
 # Stage 06 with its smallest budget for 64 sequences: the server tests' prompts of several requests get chunked.
 engine06, server06 = stage_fixtures("06_chunked_prefill", kv_cache_mb=64, max_num_batched_tokens=64)
 engine07, server07 = stage_fixtures("07_cuda_graphs", kv_cache_mb=64, max_num_batched_tokens=64)
+engine08, server08 = stage_fixtures("08_speculative", kv_cache_mb=64, max_num_batched_tokens=64)

@@ -36,6 +36,8 @@ VARIANTS["05_prefix_cache"] += [{"prefix_cache": "off"}, {"prefix_cache": "radix
 VARIANTS["06_chunked_prefill"] += [{"max_num_batched_tokens": n, "max_num_seqs": 4} for n in (7, 16, 33)]
 # Buckets of 1, 2, 4 and 7: a batch of 3, 5 or 6 sequences pads to the next one with rows that do nothing.
 VARIANTS["07_cuda_graphs"] += [{"max_num_seqs": 7}]
+# The default guesses with n-grams (k = 4); a layer-skip draft guesses badly, so most of its runs are cut short.
+VARIANTS["08_speculative"] += [{"speculative": "draft", "num_speculative_tokens": 3}]
 CASES = [(folder, variant) for folder in STAGES for variant in VARIANTS[folder]]
 
 # On a GPU (the cuda mark: `pytest -m cuda`), every stage in float32, its pool (stage 03 on) a fixed size so

@@ -27,6 +27,9 @@ MAY_CHANGE = {
                            "sequence.py"},
     # CUDA graphs: decode steps from static buffers in buckets, captured on CUDA; padding rows that do nothing
     "07_cuda_graphs": {"attention.py", "config.py", "engine.py", "model_runner.py", "triton_attention.py"},
+    # speculative decoding: room for guesses, k + 1 rows a sequence, verification, rejected blocks back, counters
+    "08_speculative": {"block_manager.py", "config.py", "engine.py", "metrics.py", "model_runner.py", "scheduler.py",
+                       "sequence.py", "server.py"},
 }
 
 

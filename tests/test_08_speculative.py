@@ -1,0 +1,339 @@
+"""Stage 08: speculative decoding. A proposer guesses, one pass checks, verification keeps the model's output.
+
+The pieces alone (the n-gram matcher, both acceptance rules, the scheduler's room for guesses, the
+fallback), then the engine: greedy output equals Hugging Face's with every proposer, alone and in
+batches, when EOS, a stop string or max_tokens falls inside an accepted run; sampling keeps the model's
+distribution (a chi-square test at a fixed level, on fixed seeds, so that it cannot flake); a rejected
+run gives its blocks back and the prefix cache never holds a rejected token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .conftest import make_engine, stage
+
+FOLDER = "08_speculative"
+speculative = stage(FOLDER, "speculative")
+proposer = stage(FOLDER, "proposer")
+sampler = stage(FOLDER, "sampler")
+sequence = stage(FOLDER, "sequence")
+scheduler_module = stage(FOLDER, "scheduler")
+block_manager_module = stage(FOLDER, "block_manager")
+
+# The chi-square tests' level: a correct implementation fails one seed in a thousand, and the seeds are fixed.
+ALPHA = 1e-3
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's test of ``counts`` against ``probs`` (categories with expected count 0 must have count 0)."""
+    expected = probs.double() * counts.sum()
+    assert torch.all(counts[expected == 0] == 0), "a token the distribution never gives was drawn"
+    keep = expected > 0
+    statistic = (((counts[keep] - expected[keep]) ** 2) / expected[keep]).sum()
+    degrees = int(keep.sum()) - 1
+    # The chi-square survival function: the regularized upper incomplete gamma function Q(df / 2, x / 2).
+    return float(torch.special.gammaincc(torch.tensor(degrees / 2, dtype=torch.float64), statistic / 2))
+
+
+# --- the n-gram matcher --------------------------------------------------------------------------------------
+
+
+@pytest.mark.exercise("8.1")
+@pytest.mark.parametrize(("tokens", "k", "expected"), [
+    ([1, 2, 3, 4, 9, 1, 2, 3], 3, [4, 9, 1]),  # "1 2 3" occurred before: what followed it
+    ([1, 2, 3, 4, 9, 1, 2, 3], 8, [4, 9, 1, 2, 3]),  # fewer than k tokens follow the match: all of them
+    ([5, 6, 7, 5, 6, 8, 5, 6], 2, [8, 5]),  # two matches of "5 6": the most recent wins
+    ([1, 2, 3, 8, 2, 3, 7, 3, 1, 2, 3], 2, [8, 2]),  # the longest suffix that recurs ("1 2 3"), not "2 3"
+    ([1, 2, 3, 4, 5], 3, []),  # nothing recurs
+    ([4, 4], 2, []),  # a single repeated token is below n_min = 2
+    ([7, 8, 7, 8, 7, 8], 4, [7, 8]),  # a repeated pattern continues (the match may overlap the suffix)
+    ([1], 3, []),
+], ids=str)
+def test_the_ngram_matcher_proposes_what_followed_the_latest_longest_match(tokens, k, expected):
+    assert proposer.ngram_propose(tokens, k, n_max=4, n_min=2) == expected
+
+
+@pytest.mark.exercise("8.1")
+def test_the_ngram_matcher_respects_n_max_and_n_min():
+    tokens = [1, 2, 3, 4, 5, 0, 9, 3, 4, 5, 6, 2, 3, 4, 5]  # "2 3 4 5" recurs at 1, "3 4 5" later at 7
+    assert proposer.ngram_propose(tokens, 1, n_max=4, n_min=2) == [0]  # the longest match: "2 3 4 5" -> 0
+    assert proposer.ngram_propose(tokens, 1, n_max=3, n_min=2) == [6]  # "3 4 5": its latest occurrence -> 6
+    assert proposer.ngram_propose([3, 1, 2, 3], 2, n_max=4, n_min=1) == [1, 2]  # one token is enough at n_min 1
+    assert proposer.ngram_propose([3, 1, 2, 3], 2, n_max=4, n_min=2) == []
+
+
+# --- the acceptance rules --------------------------------------------------------------------------------------
+
+
+@pytest.mark.exercise("8.2")
+@pytest.mark.parametrize(("draft", "choices", "expected"), [
+    ([5, 6, 7], [5, 6, 7, 8], [5, 6, 7, 8]),  # all accepted: the bonus token too
+    ([5, 6, 7], [5, 9, 7, 8], [5, 9]),  # the second guess is wrong: the model's token replaces it, then stop
+    ([5, 6, 7], [4, 6, 7, 8], [4]),  # the first is wrong: one token, as a plain decode step
+    ([], [3], [3]),  # no guesses: a plain decode step
+], ids=str)
+def test_greedy_acceptance_keeps_the_guesses_up_to_the_first_mismatch_then_the_models_token(draft, choices, expected):
+    assert speculative.accept_greedy(draft, choices) == expected
+
+
+def random_distributions(rows: int, vocab: int, seed: int, zeros: int = 1) -> torch.Tensor:
+    """``rows`` distributions over ``vocab`` tokens, each with ``zeros`` tokens of probability 0."""
+    generator = torch.Generator().manual_seed(seed)
+    probs = torch.rand(rows, vocab, generator=generator, dtype=torch.float64) + 0.05
+    for row in range(rows):
+        probs[row, torch.randperm(vocab, generator=generator)[:zeros]] = 0.0
+    return (probs / probs.sum(-1, keepdim=True)).float()
+
+
+@pytest.mark.exercise("8.3")
+@pytest.mark.parametrize("with_q", [True, False], ids=["draft-model", "one-hot"])
+def test_rejection_sampling_emits_exactly_the_models_distribution(with_q):
+    """Whatever the proposer's q, the first emitted token has distribution p[0]; given that the first guess was
+    accepted, the second has p[1] (the model's distribution after that guess). 20,000 seeded draws each."""
+    vocab, draws = 6, 20_000
+    p = random_distributions(3, vocab, seed=1)  # [k + 1, V]
+    q = random_distributions(2, vocab, seed=2) if with_q else None  # [k, V], unlike p
+    generator = torch.Generator().manual_seed(3)
+    first = torch.zeros(vocab, dtype=torch.float64)
+    second = torch.zeros(vocab, dtype=torch.float64)
+    for _ in range(draws):
+        # The draft draws its guesses from q (n-gram: fixed guesses, q one-hot).
+        draft = [int(torch.multinomial(q[i], 1, generator=generator)) for i in range(2)] if with_q else [2, 4]
+        emitted = speculative.accept_sampled(draft, p, q, generator)
+        assert 1 <= len(emitted) <= 3 and emitted[:-1] == draft[: len(emitted) - 1]
+        first[emitted[0]] += 1
+        if len(emitted) > 1:  # the first guess was accepted
+            second[emitted[1]] += 1
+    assert chi_square_p_value(first, p[0]) > ALPHA
+    assert chi_square_p_value(second, p[1]) > ALPHA
+    assert second.sum() > 1_000, "too few accepted first guesses for the second test"
+
+
+@pytest.mark.exercise("8.3")
+def test_rejection_sampling_accepts_a_guess_the_model_agrees_with_and_never_one_it_rules_out():
+    generator = torch.Generator().manual_seed(0)
+    certain = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])  # p: token 1, then 2, then 0
+    assert speculative.accept_sampled([1, 2], certain, None, generator) == [1, 2, 0]  # both, and the bonus
+    assert speculative.accept_sampled([2, 2], certain, None, generator) == [1]  # p(2) = 0: rejected, residual
+    q = torch.tensor([[0.5, 0.5, 0.0], [0.0, 0.5, 0.5]])
+    assert speculative.accept_sampled([1, 2], certain, q, generator) == [1, 2, 0]  # p >= q at both: accepted
+
+
+def test_a_sequence_whose_guesses_keep_missing_pauses_then_tries_again():
+    spec = speculative.Speculation(4)
+    assert spec.lookahead() == 4
+    for _ in range(10):
+        spec.record(proposed=4, accepted=0)
+        if spec.paused_steps:
+            break
+    assert spec.paused_steps == speculative.FALLBACK_STEPS
+    assert [spec.lookahead() for _ in range(speculative.FALLBACK_STEPS)] == [0] * speculative.FALLBACK_STEPS
+    assert spec.lookahead() == 4  # it tries again
+    spec.record(proposed=4, accepted=4)
+    assert spec.acceptance > speculative.FALLBACK_BELOW and spec.lookahead() == 4
+
+
+# --- the scheduler's room for guesses ---------------------------------------------------------------------------
+
+
+def decoding(name: str, prompt_len: int, outputs: int, k: int, max_tokens: int = 1000):
+    params = sampler.SamplingParams(max_tokens=max_tokens)
+    seq = sequence.Sequence(name, list(range(prompt_len)), params, generator=None, detokenizer=None,
+                            speculation=speculative.Speculation(k))
+    seq.output_ids = list(range(outputs))
+    return seq
+
+
+def admitted(scheduler, *seqs) -> None:
+    """Put ``seqs`` in the running queue with their whole context computed but the last token, as after a step."""
+    for seq in seqs:
+        scheduler.block_manager.allocate(seq.block_table, [], seq.num_tokens)
+        seq.num_computed_tokens = seq.num_tokens - 1
+        seq.status = sequence.SequenceStatus.RUNNING
+        scheduler.running.append(seq)
+
+
+@pytest.mark.exercise("8.4")
+def test_each_decode_gets_room_for_its_guesses_within_the_budget_and_its_max_tokens():
+    blocks = block_manager_module.BlockManager(100, block_size=16)
+    scheduler = scheduler_module.Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=12)
+    a, b = decoding("a", 15, 1, k=4), decoding("b", 20, 0, k=4)
+    c = decoding("c", 30, 5, k=4, max_tokens=8)  # 3 tokens to go: 2 guesses + 1 of the model's
+    admitted(scheduler, a, b, c)
+    batch = scheduler.schedule()  # 3 decodes, then 9 tokens of budget for guesses: 4 + 4 + 1 (c's max: 2)
+    assert [s.num_scheduled_tokens for s in batch.seqs] == [5, 5, 2]
+    assert [s.num_lookahead_slots for s in batch.seqs] == [4, 4, 1]
+    assert len(a.block_table) == 2, "a's guesses reach positions 16 to 19: a second block"
+    assert batch.num_tokens == 12
+
+
+@pytest.mark.exercise("8.4")
+def test_guesses_never_preempt_anyone_and_a_paused_sequence_gets_no_room():
+    blocks = block_manager_module.BlockManager(7, block_size=16)
+    scheduler = scheduler_module.Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=64)
+    # Each one's last token ends a block (a: 1 block, b: 2, c: 3): guesses need a new block, and one is free.
+    a, b, c = decoding("a", 16, 0, k=4), decoding("b", 32, 0, k=4), decoding("c", 48, 0, k=4)
+    admitted(scheduler, a, b, c)
+    b.speculation.paused_steps = 1
+    batch = scheduler.schedule()
+    # a's guesses take the free block; b is paused; c's guesses find no block: c decodes one token, nobody is
+    # preempted for a guess.
+    assert [s.num_scheduled_tokens for s in batch.seqs] == [5, 1, 1]
+    assert [len(s.block_table) for s in batch.seqs] == [2, 2, 3]
+    assert blocks.num_free == 0 and scheduler.num_preemptions == 0
+
+
+def test_shrink_gives_back_the_blocks_past_the_accepted_tokens_newest_first():
+    blocks = block_manager_module.BlockManager(10, block_size=4)
+    table: list[int] = []
+    blocks.allocate(table, [], 13)  # 4 blocks
+    held = list(table)
+    blocks.shrink(table, 6)
+    assert table == held[:2] and list(blocks.free_blocks)[-2:] == [held[3], held[2]]
+    blocks.shrink(table, 8)  # nothing past 8 tokens: nothing to give back
+    assert table == held[:2]
+
+
+# --- the engine, on the course's model ------------------------------------------------------------------------
+
+# A prompt whose answer repeats it: the n-gram proposer has plenty to guess from.
+CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a * b\n"
+EXTRACTIVE = f"Repeat this code exactly:\n{CODE}"
+
+
+def chat(engine, text: str) -> list[int]:
+    return engine.encode_chat([{"role": "user", "content": text}])
+
+
+def run_to_the_end(engine) -> dict[str, list]:
+    """Step until every request is done; each request's outputs, in order."""
+    outputs: dict[str, list] = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            outputs.setdefault(output.request_id, []).append(output)
+    return outputs
+
+
+@pytest.mark.exercise("8.5")
+def test_eos_and_max_tokens_inside_an_accepted_run_cut_exactly_there(model_dir, hf_greedy):
+    """The model as its own draft guesses every greedy token right, so each step emits k + 1 = 5 tokens: the
+    first token comes from the prefill, then runs of 5. An answer of 8 tokens ends (EOS) inside its second
+    run. max_tokens is never overrun: with 2 tokens to go, a step guesses 1."""
+    engine = make_engine(FOLDER, model_dir, kv_cache_mb=16, speculative="draft", draft_model=str(model_dir),
+                         num_speculative_tokens=4)
+    prompt = chat(engine, "What is the capital of France?")
+    expected = hf_greedy(prompt, 32)
+    assert expected[-1] in engine.eos_token_ids and len(expected) % 5 != 1, "the answer no longer ends mid-run"
+    engine.add_request("eos", prompt, sampler.SamplingParams(max_tokens=32, temperature=0.0))
+    engine.add_request("cut", prompt, sampler.SamplingParams(max_tokens=3, temperature=0.0, logprobs=1))
+    outputs = run_to_the_end(engine)
+    eos, cut = outputs["eos"], outputs["cut"]
+    assert [t for o in eos for t in o.token_ids] == expected and eos[-1].finish_reason == "stop"
+    assert [len(o.token_ids) for o in eos[:-1]] == [1] + [5] * (len(eos) - 2), "every guess should be accepted"
+    assert [t for o in cut for t in o.token_ids] == expected[:3] and cut[-1].finish_reason == "length"
+    assert [len(o.token_ids) for o in cut] == [1, 2] and cut[-1].completion_tokens == 3
+    assert all(len(o.logprobs) == len(o.token_ids) for o in cut), "a logprob for every emitted token"
+    assert engine.block_manager.num_used == 0
+
+
+@pytest.fixture(scope="module")
+def ngram(model_dir):
+    return make_engine(FOLDER, model_dir, kv_cache_mb=64, speculative="ngram", num_speculative_tokens=4)
+
+
+def test_ngram_guesses_give_hugging_faces_tokens_and_rejected_guesses_give_their_blocks_back(ngram, hf_greedy):
+    """A request alone, step by step: the same tokens as Hugging Face, guesses both kept and rejected, and after
+    every step no block beyond the next token's slot. Then a follow-up that starts with the whole answer finds
+    its blocks in the prefix cache (computed while guesses were being rejected) and continues as Hugging Face."""
+    prompt = chat(ngram, EXTRACTIVE)
+    before = ngram.speculation
+    ngram.add_request("alone", prompt, sampler.SamplingParams(max_tokens=40, temperature=0.0))
+    [seq] = ngram.sequences["alone"]
+    tokens = []
+    while ngram.has_unfinished():
+        tokens += [t for output in ngram.step() for t in output.token_ids]
+        if ngram.has_unfinished():
+            assert len(seq.block_table) <= ngram.block_manager.blocks_needed(seq.num_computed_tokens + 1)
+    assert tokens == hf_greedy(prompt, 40)
+    accepted, proposed = ngram.speculation.accepted - before.accepted, ngram.speculation.proposed - before.proposed
+    assert 0 < accepted < proposed, "the run should see guesses accepted and guesses rejected"
+    follow_up = prompt + tokens
+    hits = ngram.scheduler.prefix_cache_hits
+    [more] = ngram.generate([follow_up], sampler.SamplingParams(max_tokens=8, temperature=0.0))
+    assert ngram.scheduler.prefix_cache_hits - hits == (len(follow_up) - 1) // 16 * 16
+    assert more == hf_greedy(follow_up, 8)
+
+
+@pytest.mark.exercise("8.5")
+def test_a_stop_string_inside_an_accepted_run_ends_the_text_and_the_tokens_there(ngram, hf_greedy):
+    prompt = chat(ngram, EXTRACTIVE)
+    expected = hf_greedy(prompt, 40)
+    text = ngram.tokenizer.decode(expected)
+    stop = "\n\ndef"  # completed by the 4th token of a run of 5 accepted tokens (" b\n\ndef sub")
+    ngram.add_request("stop", prompt, sampler.SamplingParams(max_tokens=40, temperature=0.0, stop=[stop]))
+    outputs = run_to_the_end(ngram)["stop"]
+    assert "".join(o.text for o in outputs) == text[: text.index(stop)]
+    tokens = [t for output in outputs for t in output.token_ids]
+    assert tokens == expected[: len(tokens)] and stop in ngram.tokenizer.decode(tokens)
+    assert outputs[-1].finish_reason == "stop" and len(outputs[-1].token_ids) > 1, "the stop fell inside a run"
+    assert ngram.block_manager.num_used == 0
+
+
+def test_seeded_sampling_without_guesses_draws_what_stage_07_draws(ngram, engine07):
+    """A step without guesses samples with stage 07's exponential race, from the same stream; a seed reproduces
+    an answer with guesses too."""
+    prompt = chat(ngram, "Write a haiku about the sea.")
+    params = sampler.SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=7)
+    off = make_engine(FOLDER, ngram.config.model, kv_cache_mb=16, speculative="off")
+    theirs = engine07.generate([prompt], stage("07_cuda_graphs", "sampler").SamplingParams(**vars(params)))
+    assert off.generate([prompt], params) == theirs
+    extractive = chat(ngram, EXTRACTIVE)
+    params = sampler.SamplingParams(max_tokens=12, temperature=0.8, seed=11)
+    assert ngram.generate([extractive], params) == ngram.generate([extractive], params)
+
+
+# --- sampling keeps the model's distribution, on a tiny model ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(model_dir, tmp_path_factory):
+    """A tiny random Llama (2 layers, a vocabulary of 256) with the course model's tokenizer, and its Hugging Face
+    twin: thousands of sampled tokens take seconds."""
+    from .test_model import save_tiny_checkpoint
+
+    folder = tmp_path_factory.mktemp("tiny_speculative")
+    hf_model = save_tiny_checkpoint("llama", folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((model_dir / name).read_bytes())
+    return folder, hf_model
+
+
+def test_speculative_sampling_has_the_models_distribution(tiny):
+    """1,600 seeded samples of an answer's first two tokens (top-k 3, temperature 1): the second comes through a
+    one-layer draft's guess and rejection sampling. Against the exact distribution of the Hugging Face model,
+    p(t1) p(t2 | t1) over the 9 pairs, chi-square at level ALPHA."""
+    folder, hf_model = tiny
+    engine = make_engine(FOLDER, folder, kv_cache_mb=16, speculative="draft", draft_layers=1,
+                         num_speculative_tokens=1, max_num_seqs=128)
+    prompt = list(range(40, 52))
+    top_k, samples = 3, 1600
+    params = [sampler.SamplingParams(max_tokens=3, temperature=1.0, top_k=top_k, ignore_eos=True, seed=i)
+              for i in range(samples)]
+    answers = engine.generate([prompt] * samples, params)
+    # Nearly every second token comes through a guess (a few sequences are still catching the draft up).
+    assert engine.speculation.proposed >= 0.9 * samples, "the second tokens should come through guesses"
+    assert 0 < engine.speculation.accepted < samples, "the draft's q should differ from the model's p"
+
+    def top(ids: list[int]) -> dict[int, float]:
+        with torch.inference_mode():
+            logits = hf_model(torch.tensor([ids])).logits[0, -1]
+        values, tokens = torch.topk(logits, top_k)
+        return dict(zip(tokens.tolist(), torch.softmax(values, -1).tolist(), strict=True))
+
+    exact = {(a, b): pa * pb for a, pa in top(prompt).items() for b, pb in top(prompt + [a]).items()}
+    pairs = list(exact)
+    counts = torch.zeros(len(pairs), dtype=torch.float64)
+    for answer in answers:
+        counts[pairs.index(tuple(answer[:2]))] += 1
+    assert chi_square_p_value(counts, torch.tensor([exact[pair] for pair in pairs])) > ALPHA
