@@ -188,10 +188,10 @@ class Engine:
 
     def make_draft(self, config: EngineConfig) -> LlamaForCausalLM | None:
         """The draft model of ``--speculative draft``: a local folder's, or the model's own first layers."""
+        if config.num_speculative_tokens < 0:
+            raise ValueError(f"--num-speculative-tokens {config.num_speculative_tokens}: it must be 0 or more")
         if config.speculative != "draft":
             return None
-        if config.num_speculative_tokens < 1:
-            raise ValueError("--num-speculative-tokens must be at least 1 with --speculative draft")
         if config.draft_model:
             return load_draft(str(resolve_model(config.draft_model)), self.model, self.tokenizer.get_vocab(),
                               self.dtype, self.device)

@@ -31,9 +31,11 @@ import torch
 
 from .sampler import SamplingParams, apply_penalties, logits_to_probs
 
-# A sequence whose guesses keep missing stops guessing for a while: each verification costs k extra rows.
+# A sequence whose guesses keep missing stops guessing for a while: each verification costs k extra rows (and a
+# draft model's k steps). Each pause in a row is twice as long as the one before, up to a limit.
 FALLBACK_BELOW = 0.3  # the running acceptance rate below which a sequence stops guessing...
-FALLBACK_STEPS = 16  # ...for this many steps, then tries again
+FALLBACK_STEPS = 16  # ...for this many steps the first time, then 32, 64... then tries again
+MAX_FALLBACK_STEPS = 512
 ACCEPTANCE_WEIGHT = 0.25  # the weight of the newest run in the running acceptance rate
 
 
@@ -44,6 +46,7 @@ class Speculation:
     num_tokens: int  # k: guesses per step when it speculates (0: speculation is off)
     acceptance: float = 1.0  # running (exponentially weighted) share of its guesses that were accepted
     paused_steps: int = 0  # > 0: it falls back to plain decoding for that many more steps
+    pauses: int = 0  # pauses in a row, without a good run between them: the next one is 2**pauses times longer
 
     def lookahead(self) -> int:
         """The k it guesses with in the coming step: 0 while it is paused."""
@@ -58,8 +61,11 @@ class Speculation:
             return
         self.acceptance += ACCEPTANCE_WEIGHT * (accepted / proposed - self.acceptance)
         if self.acceptance < FALLBACK_BELOW:
-            self.paused_steps = FALLBACK_STEPS
+            self.paused_steps = min(FALLBACK_STEPS * 2**self.pauses, MAX_FALLBACK_STEPS)
+            self.pauses += 1
             self.acceptance = FALLBACK_BELOW  # after the pause it gets a short chance, not a long one
+        elif accepted / proposed >= FALLBACK_BELOW:
+            self.pauses = 0  # its guesses pay again
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator) -> int:

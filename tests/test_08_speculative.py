@@ -120,7 +120,7 @@ def test_rejection_sampling_accepts_a_guess_the_model_agrees_with_and_never_one_
     assert speculative.accept_sampled([1, 2], certain, q, generator) == [1, 2, 0]  # p >= q at both: accepted
 
 
-def test_a_sequence_whose_guesses_keep_missing_pauses_then_tries_again():
+def test_a_sequence_whose_guesses_keep_missing_pauses_longer_each_time_then_tries_again():
     spec = speculative.Speculation(4)
     assert spec.lookahead() == 4
     for _ in range(10):
@@ -130,8 +130,11 @@ def test_a_sequence_whose_guesses_keep_missing_pauses_then_tries_again():
     assert spec.paused_steps == speculative.FALLBACK_STEPS
     assert [spec.lookahead() for _ in range(speculative.FALLBACK_STEPS)] == [0] * speculative.FALLBACK_STEPS
     assert spec.lookahead() == 4  # it tries again
+    spec.record(proposed=4, accepted=0)  # and misses again: a pause twice as long
+    assert spec.paused_steps == 2 * speculative.FALLBACK_STEPS
+    spec.paused_steps = 0
     spec.record(proposed=4, accepted=4)
-    assert spec.acceptance > speculative.FALLBACK_BELOW and spec.lookahead() == 4
+    assert spec.acceptance > speculative.FALLBACK_BELOW and spec.pauses == 0 and spec.lookahead() == 4
 
 
 # --- the scheduler's room for guesses ---------------------------------------------------------------------------
@@ -293,6 +296,25 @@ def test_seeded_sampling_without_guesses_draws_what_stage_07_draws(ngram, engine
     assert ngram.generate([extractive], params) == ngram.generate([extractive], params)
 
 
+def test_the_server_streams_runs_and_reports_its_guesses(server08, hf_greedy):
+    """Through the OpenAI client: a streamed chat answer whose chunks carry whole runs is Hugging Face's answer, and
+    /metrics and /health count the guesses (the server's engine: n-gram, k = 4)."""
+    import httpx
+
+    client = server08.client()
+    accepted = server08.metric("llm_spec_accepted_tokens_total")
+    stream = client.chat.completions.create(model="smollm2-135m-instruct", max_tokens=40, temperature=0, stream=True,
+                                            messages=[{"role": "user", "content": EXTRACTIVE}])
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    engine = server08.engine._engine
+    assert text == engine.tokenizer.decode(hf_greedy(chat(engine, EXTRACTIVE), 40), skip_special_tokens=True)
+    assert server08.metric("llm_spec_accepted_tokens_total") > accepted
+    assert server08.metric("llm_spec_proposed_tokens_total") >= server08.metric("llm_spec_accepted_tokens_total")
+    speculation = httpx.get(f"{server08.url}/health", timeout=10).json()["speculation"]
+    assert speculation["accepted"] > 0 and 0 < speculation["acceptance_rate"] <= 1
+    assert speculation["mean_accepted_length"] == speculation["accepted"] / speculation["runs"]
+
+
 # --- sampling keeps the model's distribution, on a tiny model ------------------------------------------------------
 
 
@@ -337,3 +359,11 @@ def test_speculative_sampling_has_the_models_distribution(tiny):
     for answer in answers:
         counts[pairs.index(tuple(answer[:2]))] += 1
     assert chi_square_p_value(counts, torch.tensor([exact[pair] for pair in pairs])) > ALPHA
+
+
+def test_a_draft_model_that_does_not_fit_is_refused_at_start_up(model_dir, tiny):
+    folder, _ = tiny  # the course model's tokenizer, but 256 logits per row
+    with pytest.raises(ValueError, match="256 logits per row"):
+        make_engine(FOLDER, model_dir, kv_cache_mb=16, speculative="draft", draft_model=str(folder))
+    with pytest.raises(ValueError, match="draft-layers 31"):
+        make_engine(FOLDER, model_dir, kv_cache_mb=16, speculative="draft", draft_layers=31)

@@ -296,3 +296,24 @@ def test_bench_shared_prefix_against_a_running_server_by_url(server02, tmp_path)
     level = result["levels"][0]
     assert level["errors"] == 0 and level["output_tokens"] == 4
     assert level["prefix_cache_hit_rate"] is None  # stage 02 has no prefix cache, so no counters
+
+
+# --- speculative decoding's benchmark (common.spec_bench) ------------------------------------------------------
+
+
+def test_spec_bench_compares_every_configuration_with_stage_07_at_the_same_level_and_workload(tmp_path):
+    from common import spec_bench
+
+    configs = spec_bench.configurations([2, 4], ["ngram", "draft"])
+    assert [label for label, _, _ in configs] == ["07", "08 ngram k=2", "08 ngram k=4", "08 draft k=2", "08 draft k=4"]
+    assert configs[2][2] == ["--speculative", "ngram", "--num-speculative-tokens", "4"]
+    runs = [{"config": c, "workload": w, "concurrency": n, "output_tokens_per_s": tps}
+            for c, w, n, tps in [("07", "chat", 1, 10.0), ("07", "chat", 4, 20.0), ("08 ngram k=2", "chat", 1, 15.0),
+                                 ("08 ngram k=2", "chat", 4, 18.0), ("07", "extractive", 1, 8.0),
+                                 ("08 ngram k=2", "extractive", 1, 20.0)]]
+    spec_bench.speed_ups(runs)
+    assert [r["speed_up"] for r in runs] == [1.0, 1.0, 1.5, 0.9, 1.0, 2.5]
+    for r in runs:
+        r["acceptance_rate"] = r["mean_accepted_length"] = None
+    spec_bench.plot({"workloads": {"chat": [], "extractive": []}, "levels": [1, 4], "runs": runs}, tmp_path / "s.png")
+    assert (tmp_path / "s.png").read_bytes().startswith(PNG_MAGIC)
