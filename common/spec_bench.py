@@ -10,10 +10,14 @@ same tokens, so the same work):
   repeat a list with one change), what n-gram prompt lookup is for;
 * **chat**: open questions, whose answers repeat little.
 
-Each configuration (stage 07; stage 08 with each proposer and k) gets one server; at each concurrency
-the workload's requests run, and /health's speculation counters before and after give the acceptance
-rate and the accepted length of that level alone. The speed-up is each level's output tokens/s over
-stage 07's at the same level and workload, measured in the same run.
+Each configuration (stage 07; stage 08 with each proposer and k) gets one server, and all of them run
+from the start (an idle server costs memory, not time). The measurements are interleaved: for each
+workload and concurrency, every server in turn runs the workload's requests, so that all the numbers
+of one comparison are taken within a few minutes of each other. (A shared virtual machine's speed
+drifts by 20% and more over the half hour the whole run takes: measured one configuration after the
+other, that drift would show up as speed-ups.) /health's speculation counters before and after give
+the acceptance rate and the accepted length of each level alone. The speed-up is each level's output
+tokens/s over stage 07's at the same level and workload.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -98,25 +103,23 @@ def speculation(url: str) -> dict[str, int]:
     return health.get("speculation", {"proposed": 0, "accepted": 0, "runs": 0})
 
 
-async def measure(url: str, model: str, prompts: list[str], levels: list[int], requests: int) -> list[dict[str, Any]]:
-    """Every level of one workload on one server: throughput, latencies, and the level's own acceptance."""
+def workload_of(url: str, model: str, prompts: list[str]) -> Workload:
     # ignore_eos None removes the standard workload's ignore_eos: answers end where the model ends them.
-    workload = Workload(url, model, MAX_TOKENS, prompts=prompts, extra_body={"ignore_eos": None})
-    await warm_up(workload)
-    rows = []
-    for concurrency in levels:
-        before = speculation(url)
-        level = await run_level(workload, concurrency, max(requests, concurrency), desc=f"c={concurrency}")
-        after = speculation(url)
-        counts = {key: after[key] - before[key] for key in ("proposed", "accepted", "runs")}
-        summary = level.summary()
-        rows.append({**{key: summary[key] for key in ("concurrency", "requests", "errors", "wall_s", "output_tokens",
-                                                      "output_tokens_per_s", "ttft_s", "itl_s")}, **counts,
-                     "acceptance_rate": counts["accepted"] / counts["proposed"] if counts["proposed"] else None,
-                     "mean_accepted_length": counts["accepted"] / counts["runs"] if counts["runs"] else None})
-        print(f"  c={concurrency:3d}: {summary['output_tokens_per_s']:6.1f} tokens/s, accepted {counts['accepted']} "
-              f"of {counts['proposed']} guesses", flush=True)
-    return rows
+    return Workload(url, model, MAX_TOKENS, prompts=prompts, extra_body={"ignore_eos": None})
+
+
+async def measure(url: str, model: str, prompts: list[str], concurrency: int, requests: int) -> dict[str, Any]:
+    """One level of one workload on one server: throughput, latencies, and the level's own acceptance."""
+    before = speculation(url)
+    level = await run_level(workload_of(url, model, prompts), concurrency, max(requests, concurrency),
+                            desc=f"c={concurrency}")
+    after = speculation(url)
+    counts = {key: after[key] - before[key] for key in ("proposed", "accepted", "runs")}
+    summary = level.summary()
+    return {**{key: summary[key] for key in ("concurrency", "requests", "errors", "wall_s", "output_tokens",
+                                             "output_tokens_per_s", "ttft_s", "itl_s")}, **counts,
+            "acceptance_rate": counts["accepted"] / counts["proposed"] if counts["proposed"] else None,
+            "mean_accepted_length": counts["accepted"] / counts["runs"] if counts["runs"] else None}
 
 
 def speed_ups(runs: list[dict[str, Any]]) -> None:
@@ -167,15 +170,24 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     prompts = {name: chat_prompts(args.model, questions) for name, questions in WORKLOADS.items()}
     runs = []
-    for label, stage, flags in configurations(ks, proposers):
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        command = stage_command(stage, port, args.model, args.device, args.dtype) + flags
-        with stage_server(command, url):
-            for workload, workload_prompts in prompts.items():
-                print(f"{label}, {workload}:", flush=True)
-                rows = asyncio.run(measure(url, args.model, workload_prompts, levels, args.requests))
-                runs += [{"config": label, "workload": workload, **row} for row in rows]
+    with ExitStack() as servers:
+        urls = {}
+        for label, stage, flags in configurations(ks, proposers):
+            port = free_port()
+            urls[label] = f"http://127.0.0.1:{port}"
+            servers.enter_context(stage_server(stage_command(stage, port, args.model, args.device, args.dtype) + flags,
+                                               urls[label]))
+        for workload, workload_prompts in prompts.items():
+            for url in urls.values():  # unmeasured: lazy set-up, and the workload's first prompt
+                asyncio.run(warm_up(workload_of(url, args.model, workload_prompts)))
+            for i, concurrency in enumerate(levels):
+                order = list(urls.items())
+                for label, url in order if i % 2 == 0 else order[::-1]:  # every other round backwards: no config
+                    # is always measured last, when the machine may have drifted most
+                    row = asyncio.run(measure(url, args.model, workload_prompts, concurrency, args.requests))
+                    runs.append({"config": label, "workload": workload, **row})
+                    print(f"{workload} c={concurrency} {label}: {row['output_tokens_per_s']:.1f} tokens/s, accepted "
+                          f"{row['accepted']} of {row['proposed']} guesses", flush=True)
     speed_ups(runs)
     result = {"machine": machine_info(args.device), "git": git_state(), "dtype": args.dtype, "levels": levels,
               "max_tokens": MAX_TOKENS, "requests_per_level": args.requests, "workloads": WORKLOADS, "runs": runs}
