@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import json
 from contextlib import ExitStack
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +153,33 @@ def plot(result: dict[str, Any], out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
+def alternating_rounds(model: str, rounds: int, k: int = 4) -> dict[str, Any]:
+    """Concurrency 1 without the server, in one process: stage 08's engine with guesses off (stage 07's decoding)
+    and on (n-gram, k), alternating ``rounds`` times per workload, so that a drift of the machine's speed hits both
+    alike. Each round generates every prompt of the workload once, one at a time."""
+    import importlib
+    import time
+
+    Engine = importlib.import_module("08_speculative.engine").Engine
+    EngineConfig = importlib.import_module("08_speculative.config").EngineConfig
+    SamplingParams = importlib.import_module("08_speculative.sampler").SamplingParams
+    engine = Engine(EngineConfig(model=model, device="cpu", dtype="float32", speculative="ngram",
+                                 num_speculative_tokens=k))
+    ngram, params = engine.proposer, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    rates: dict[str, dict[str, list[float]]] = {}
+    for workload, questions in WORKLOADS.items():
+        prompts = [engine.encode_chat([{"role": "user", "content": q}]) for q in questions]
+        engine.generate(prompts[:1], params)  # warm-up
+        for _ in range(rounds):
+            for label, proposer in (("off", None), (f"ngram k={k}", ngram)):
+                engine.proposer = proposer
+                started = time.perf_counter()
+                tokens = sum(len(engine.generate([prompt], params)[0]) for prompt in prompts)
+                rates.setdefault(workload, {}).setdefault(label, []).append(tokens / (time.perf_counter() - started))
+                print(f"{workload} {label}: {rates[workload][label][-1]:.1f} tokens/s", flush=True)
+    return rates
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m common.spec_bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
@@ -160,6 +188,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="levels 1 and 4, k = 4, n-gram only")
     parser.add_argument("--requests", type=int, default=4, help="requests per level, at least the concurrency")
     parser.add_argument("--out", type=Path, help="folder for the JSON and PNG (default: results/<device>/)")
+    parser.add_argument("--alternating-rounds", type=int, metavar="N",
+                        help="instead: concurrency 1 in one process, guesses off and on alternating N times per "
+                             "workload -> 08_speculative_alternating.json")
     return parser.parse_args(argv)
 
 
@@ -168,6 +199,17 @@ def main(argv: list[str] | None = None) -> None:
     levels, ks, proposers = ([1, 4], [4], ["ngram"]) if args.quick else (LEVELS, KS, ["ngram", "draft"])
     out = args.out or RESULTS / ("quick" if args.quick else args.device)
     out.mkdir(parents=True, exist_ok=True)
+    if args.alternating_rounds:
+        rates = alternating_rounds(args.model, args.alternating_rounds)
+        path = out / "08_speculative_alternating.json"
+        path.write_text(json.dumps({"date": datetime.now(UTC).isoformat(timespec="seconds"),
+                                    "machine": machine_info("cpu"), "git": git_state(), "max_tokens": MAX_TOKENS,
+                                    "workloads": WORKLOADS, "output_tokens_per_s": rates}, indent=1) + "\n")
+        for workload, by_label in rates.items():
+            off, on = (sorted(values)[len(values) // 2] for values in by_label.values())
+            print(f"{workload}: median {off:.1f} tokens/s off, {on:.1f} on: {on / off:.2f}x")
+        print(f"wrote {path}")
+        return
     prompts = {name: chat_prompts(args.model, questions) for name, questions in WORKLOADS.items()}
     runs = []
     with ExitStack() as servers:
@@ -189,7 +231,8 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"{workload} c={concurrency} {label}: {row['output_tokens_per_s']:.1f} tokens/s, accepted "
                           f"{row['accepted']} of {row['proposed']} guesses", flush=True)
     speed_ups(runs)
-    result = {"machine": machine_info(args.device), "git": git_state(), "dtype": args.dtype, "levels": levels,
+    result = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": machine_info(args.device),
+              "git": git_state(), "dtype": args.dtype, "levels": levels,
               "max_tokens": MAX_TOKENS, "requests_per_level": args.requests, "workloads": WORKLOADS, "runs": runs}
     path = out / "08_speculative.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
