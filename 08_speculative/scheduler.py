@@ -24,6 +24,9 @@ When the pool runs dry, the most recently admitted sequence is **preempted**: it
 blocks and goes back to the front of the waiting queue, to be recomputed when blocks free up
 (finding what is left of its own blocks in the prefix cache). The oldest requests always go on.
 
+New in stage 08: after the decodes, and before the prompt chunks, each decoding sequence gets room for
+its k guesses (``_reserve_lookahead``), as far as the budget and the free blocks go.
+
 From stage 05, admission first looks the sequence up in the prefix cache: the blocks of its longest
 cached prefix are shared, and its first chunk starts after them.
 """

@@ -19,7 +19,7 @@ from .speculative import Speculation
 
 @dataclass
 class RequestOutput:
-    """One step's news for the client: the sampled token, the text it made safe to send."""
+    """One step's news for the client: the tokens it emitted (1 to k + 1), the text they made safe to send."""
 
     request_id: str
     token_ids: list[int]  # the tokens this step added: 1 to k + 1 (none for a prompt scored with max_tokens 0)
@@ -64,7 +64,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache (back to 0 when preempted)
-    num_scheduled_tokens: int = 0  # tokens the step being run adds to the cache: a chunk, or 1 (decode)
+    num_scheduled_tokens: int = 0  # tokens the step being run adds to the cache: a chunk, or 1 + its guesses (decode)
     num_cached_tokens: int = 0  # prompt tokens it found in the prefix cache when first admitted
     status: SequenceStatus = SequenceStatus.WAITING
     trace: RequestTrace = field(default_factory=RequestTrace)  # spans, when the server runs with --trace
