@@ -68,7 +68,10 @@ def test_grading_the_student_copy_fails_every_exercise(student, capsys):
     assert all(passed == 0 and total > 0 for passed, total in scores.values()), scores
 
 
-@pytest.mark.parametrize("stage", STAGES, ids=lambda s: f"stage{s:02d}")
+# The newest stage only: every stage's graded tests already pass on the reference in the main suite (they are
+# ordinary tests there), and the student copies above show that every stage's exercises are found and graded.
+# This adds the grade command's verdict on a passing copy, which is the same code for every stage.
+@pytest.mark.parametrize("stage", STAGES[-1:], ids=lambda s: f"stage{s:02d}")
 def test_grading_the_reference_passes_every_exercise(stage, capsys):
     status, scores = grade(stage, REPO, capsys)
     assert status == 0
