@@ -183,3 +183,5 @@ engine05, server05 = stage_fixtures("05_prefix_cache", kv_cache_mb=64)
 engine06, server06 = stage_fixtures("06_chunked_prefill", kv_cache_mb=64, max_num_batched_tokens=64)
 engine07, server07 = stage_fixtures("07_cuda_graphs", kv_cache_mb=64, max_num_batched_tokens=64)
 engine08, server08 = stage_fixtures("08_speculative", kv_cache_mb=64, max_num_batched_tokens=64)
+# Stage 09 with one rank, like every stage before it; test_09_tensor_parallel starts the engines of several.
+engine09, server09 = stage_fixtures("09_tensor_parallel", kv_cache_mb=64, max_num_batched_tokens=64)

@@ -11,7 +11,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 STAGES = ["01_naive", "02_streaming", "03_paged_kv", "04_continuous_batching", "05_prefix_cache", "06_chunked_prefill",
-          "07_cuda_graphs", "08_speculative"]
+          "07_cuda_graphs", "08_speculative", "09_tensor_parallel"]
 FASTAPI_STAGES = STAGES[1:]  # the OpenAI server with streaming; stage 01 is a Flask app
 
 

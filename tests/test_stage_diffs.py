@@ -30,6 +30,8 @@ MAY_CHANGE = {
     # speculative decoding: room for guesses, k + 1 rows a sequence, verification, rejected blocks back, counters
     "08_speculative": {"block_manager.py", "config.py", "engine.py", "metrics.py", "model_runner.py", "scheduler.py",
                        "sequence.py", "server.py"},
+    # tensor parallelism: parallel layers loading their slices, ranks started and stopped, steps broadcast
+    "09_tensor_parallel": {"config.py", "engine.py", "model.py", "model_runner.py"},
 }
 
 

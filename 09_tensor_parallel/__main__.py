@@ -1,0 +1,151 @@
+"""python -m 09_tensor_parallel [--demo] [--tensor-parallel-size N] [--port P]
+
+Under torchrun every rank runs this module: rank 0 serves (or runs the demo), the others run_worker:
+
+    torchrun --nproc-per-node 3 -m 09_tensor_parallel --tensor-parallel-size 3 --demo
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from common.cli import DEMO_PROMPTS, config_from_args, served_name, stage_parser
+from common.device import DeviceUnavailable
+from common.limits import Limits, add_limit_args
+from common.trace import Tracer, add_trace_args
+
+from .config import EngineConfig
+from .distributed import under_torchrun
+from .engine import AsyncEngine, Engine, run_worker
+from .proposer import Proposal
+from .sampler import SamplingParams
+from .sequence import Sequence
+
+CODE = """def area(width, height):
+    return width * height
+
+def perimeter(width, height):
+    return 2 * (width + height)
+"""
+EXTRACTIVE = f"Rename `width` to `w` in this code and show the whole code:\n\n{CODE}"
+
+
+class RecordingProposer:
+    """Wraps the engine's proposer to show each step's guesses (the demo's only look inside a step)."""
+
+    def __init__(self, proposer) -> None:
+        self.proposer = proposer
+        self.last: list[Proposal] = []
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        self.last = self.proposer.propose(seqs, ks)
+        return self.last
+
+
+def show_steps(engine: Engine, prompt_ids: list[int], max_tokens: int) -> None:
+    """One request alone, step by step: its guesses, what was kept, and the model's own token."""
+    recorder = RecordingProposer(engine.proposer)
+    engine.proposer = recorder
+    engine.add_request("steps", prompt_ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    text = engine.tokenizer.decode
+    print(f"\nOne request, step by step ({engine.config.speculative}, k = {engine.config.num_speculative_tokens}): "
+          "the guesses kept, the model's own token, the guesses rejected")
+    step = 0
+    while engine.has_unfinished():
+        recorder.last = []
+        for output in engine.step():
+            step += 1
+            guesses = recorder.last[0].token_ids if recorder.last else []
+            j = len(output.token_ids) - 1  # greedy: the first j guesses were kept, then the model's own token
+            kept, own, rejected = output.token_ids[:j], output.token_ids[j:], guesses[j:]
+            print(f"  step {step:3d}: +{len(output.token_ids)}  " + (f"guessed {text(kept)!r} + " if kept else "")
+                  + f"model {text(own)!r}" + (f"   rejected {text(rejected)!r}" if rejected else ""))
+    engine.proposer = recorder.proposer
+
+
+def demo(engine: Engine, max_tokens: int) -> None:
+    """An extractive request step by step, then the demo chats and the extractive request with and without guesses."""
+    prompt = engine.encode_chat([{"role": "user", "content": EXTRACTIVE}])
+    if engine.proposer is not None:
+        show_steps(engine, prompt, max_tokens=48)
+    prompts = [engine.encode_chat([{"role": "user", "content": p}]) for p in DEMO_PROMPTS] + [prompt]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    proposer = engine.proposer
+    results = {}
+    for label, guessing in (("with guesses", proposer), ("without", None)):
+        engine.proposer = guessing
+        before = engine.speculation
+        started = time.perf_counter()
+        outputs = [engine.generate([ids], params)[0] for ids in prompts]  # one at a time: concurrency 1
+        seconds = time.perf_counter() - started
+        accepted = engine.speculation.accepted - before.accepted
+        results[label] = outputs
+        print(f"\n{label}: {sum(map(len, outputs))} tokens in {seconds:.1f} s "
+              f"({sum(map(len, outputs)) / seconds:.1f} tokens/s), {accepted} of them accepted guesses")
+    engine.proposer = proposer
+    for prompt_text, ids in zip([*DEMO_PROMPTS, EXTRACTIVE.splitlines()[0]], results["with guesses"], strict=True):
+        print(f"\n{prompt_text!r}\n  -> {engine.tokenizer.decode(ids, skip_special_tokens=True)!r}")
+    same = results["with guesses"] == results["without"]
+    print(f"\nThe same tokens with guesses and without: {same}")
+
+
+def main() -> None:
+    parser = stage_parser(__package__, EngineConfig)
+    add_limit_args(parser)
+    add_trace_args(parser)
+    args = parser.parse_args()
+    config = config_from_args(EngineConfig, args)
+    if under_torchrun() and int(os.environ["RANK"]) > 0:  # torchrun started this process as a worker
+        run_worker(int(os.environ["RANK"]), "env://", config)
+        return
+    try:
+        engine = Engine(config)
+    except (DeviceUnavailable, ValueError) as exc:  # no such device; a budget below max_num_seqs; a bad draft;
+        raise SystemExit(f"error: {exc}") from None  # a --tensor-parallel-size that does not split the model
+    try:
+        serve_or_demo(engine, args)
+    finally:
+        engine.shutdown()  # every other rank stops too (the server's shutdown has done it already)
+
+
+def serve_or_demo(engine: Engine, args) -> None:
+    cache = engine.kv_cache
+    print(f"Loaded {args.model} on {engine.device} ({engine.dtype}), context {engine.max_model_len} tokens")
+    print(f"KV cache: {cache.num_blocks} blocks x {args.block_size} tokens = {engine.kv_capacity_tokens} tokens, "
+          f"{cache.num_bytes / 2**20:.0f} MiB ({cache.shape.bytes_per_token} bytes per token)")
+    print(f"Steps: up to {args.max_num_seqs} sequences, {engine.max_num_batched_tokens} tokens (decodes and their "
+          "guesses first, then prompt chunks)")
+    print(f"Prefix cache: {args.prefix_cache}")
+    others = " (each of the others prints its own)" if engine.tp.size > 1 else ""
+    print(f"Tensor parallel: {engine.memory_report()}{others}")
+    if engine.capture_seconds is not None:
+        print(f"CUDA graphs: the decode step captured for batch sizes {engine.runner.sizes} "
+              f"in {engine.capture_seconds:.1f} s, holding {engine.graph_memory_bytes / 2**20:.0f} MiB of the GPU "
+              "(steps with guesses run eagerly)")
+    else:
+        why = "--enforce-eager" if args.enforce_eager else "they need CUDA and the Triton kernels"
+        print(f"CUDA graphs: off ({why}); decode steps run eagerly from static buffers, buckets {engine.runner.sizes}")
+    if args.speculative == "draft":
+        draft = engine.proposer.model.config
+        source = args.draft_model or f"the model's first {draft.num_layers} of {engine.model.config.num_layers} layers"
+        print(f"Speculation: a draft model ({source}) guesses k = {args.num_speculative_tokens} tokens; its cache "
+              f"{engine.draft_kv_cache.num_bytes / 2**20:.0f} MiB")
+    elif args.speculative == "ngram":
+        print(f"Speculation: n-gram prompt lookup guesses k = {args.num_speculative_tokens} tokens")
+    else:
+        print("Speculation: off")
+    if args.demo:
+        demo(engine, args.max_tokens)
+        return
+    import uvicorn
+
+    from .server import create_app
+
+    app = create_app(AsyncEngine(engine), served_name(args.model), Limits.from_args(args),
+                     Tracer.from_args(args))
+    uvicorn.run(app, host=args.host, port=args.port)
+
+
+if __name__ == "__main__":
+    main()

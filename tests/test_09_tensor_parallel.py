@@ -1,0 +1,362 @@
+"""Stage 09: tensor parallelism. Each parallel layer against its unsharded original (the ranks simulated in this
+process), then real ranks: logits and greedy tokens at N = 2 and 3 against N = 1 and Hugging Face, the server
+on two ranks, and every way a rank can go away, with no process left behind.
+
+Tolerance. Split across ranks, a row-parallel layer's output is the sum of N partial products, each a sum
+over 1/N of the input features, added by the all-reduce: the same numbers as one rank's matrix product,
+summed in another order. float32 rounds each sum differently, by about 1e-7 of its size, and 30 layers carry
+it on: logits of size ~20 move by up to ~1e-4 (measured: 2e-6 on the tiny models, 5e-5 on SmolLM2 at N = 3).
+The tests allow 1e-3 on logits, and greedy tokens must be exactly Hugging Face's on the standard prompts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import psutil
+import pytest
+import torch
+import torch.nn.functional as F
+from openai import OpenAI
+from torch import nn
+
+from .conftest import make_engine, serve_stage, stage
+from .prompts import CHAT_PROMPTS, TEXT_PROMPTS
+from .servers import free_port, wait_healthy
+
+FOLDER = "09_tensor_parallel"
+distributed = stage(FOLDER, "distributed")
+parallel = stage(FOLDER, "parallel")
+model_module = stage(FOLDER, "model")
+model_runner = stage(FOLDER, "model_runner")
+sampler = stage(FOLDER, "sampler")
+
+LOGITS_ATOL = 1e-3  # see the module docstring
+
+
+@dataclass(frozen=True)
+class SimulatedRank(distributed.TPGroup):
+    """Rank ``rank`` of ``size``, all in this process, for the layers' math: its all-reduce records what it was
+    given and returns it unchanged; the test sums the ranks' outputs itself (what the all-reduce would do)."""
+
+    reduced: list = field(default_factory=list)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.reduced.append(x)
+        return x
+
+
+def simulated(size: int) -> list[SimulatedRank]:
+    return [SimulatedRank(rank=rank, size=size) for rank in range(size)]
+
+
+# --- the parallel layers, rank by rank ----------------------------------------------------------------------
+
+
+@pytest.mark.exercise("9.1")
+@pytest.mark.parametrize(("heads", "kv_heads", "size"), [(9, 3, 3), (4, 2, 2), (4, 4, 2), (4, 2, 4), (32, 8, 16),
+                                                         (8, 1, 4)], ids=str)
+def test_head_shards_give_each_rank_its_query_heads_and_the_kv_heads_they_read(heads, kv_heads, size):
+    head_dim = 8
+    group = heads // kv_heads  # query heads per KV head
+    q_rows, kv_rows = [], []
+    for tp in simulated(size):
+        q, kv = parallel.head_shards(heads, kv_heads, head_dim, tp)
+        assert (q.dim, kv.dim) == (0, 0)
+        assert q.size == heads // size * head_dim
+        assert kv.size == max(1, kv_heads // size) * head_dim  # split, or one replicated head
+        assert q.start % head_dim == 0 and kv.start % head_dim == 0  # whole heads
+        q_heads = range(q.start // head_dim, q.stop // head_dim)
+        kv_heads_held = range(kv.start // head_dim, kv.stop // head_dim)
+        assert all(h // group in kv_heads_held for h in q_heads), f"rank {tp.rank}: a query head without its KV head"
+        q_rows += range(q.start, q.stop)
+        kv_rows += range(kv.start, kv.stop)
+    assert q_rows == list(range(heads * head_dim))  # the query heads, each on one rank, in order
+    assert set(kv_rows) == set(range(kv_heads * head_dim))  # every KV head somewhere
+    assert len(kv_rows) == max(kv_heads, size) * head_dim  # each on one rank, or replicated on size / kv_heads
+
+
+def test_a_column_parallel_layer_is_the_full_layer_cut_by_output_features():
+    torch.manual_seed(0)
+    full, x = nn.Linear(16, 12), torch.randn(5, 16)
+    for size in (2, 3):
+        parts = []
+        for tp in simulated(size):
+            shard = parallel.even_shard(12, tp)
+            layer = parallel.ColumnParallelLinear(16, shard, bias=True)
+            layer.load_state_dict({"weight": full.weight[shard.index()], "bias": full.bias[shard.index()]})
+            parts.append(layer(x))
+            assert not tp.reduced  # no communication
+        torch.testing.assert_close(torch.cat(parts, dim=-1), full(x))
+
+
+@pytest.mark.exercise("9.2")
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_row_parallel_layer_sums_to_the_full_layer_with_its_bias_added_once(size):
+    torch.manual_seed(0)
+    full, x = nn.Linear(12, 16), torch.randn(5, 12)
+    nn.init.normal_(full.bias, std=1.0)  # a bias added N times instead of once would show
+    total = torch.zeros(5, 16)
+    for tp in simulated(size):
+        columns = parallel.even_shard(12, tp, dim=1)
+        layer = parallel.RowParallelLinear(columns, 16, bias=True, tp=tp)
+        layer.load_state_dict({"weight": full.weight[columns.index()], "bias": full.bias})
+        out = layer(x[:, columns.start:columns.stop])  # this rank's slice of the input
+        assert len(tp.reduced) == 1 and tp.reduced[0] is out, "the partial product goes through one all-reduce"
+        total += out
+    torch.testing.assert_close(total, full(x))
+
+
+@pytest.mark.exercise("9.3")
+@pytest.mark.parametrize("size", [2, 3])
+def test_the_vocabulary_parallel_embedding_finds_each_token_on_exactly_one_rank(size):
+    torch.manual_seed(0)
+    vocab, hidden = 12, 4
+    weight, ids = torch.randn(vocab, hidden), torch.tensor([0, 11, 5, 4, 3, 8, 7, 0, 6])
+    total = torch.zeros(len(ids), hidden)
+    for tp in simulated(size):
+        layer = parallel.VocabParallelEmbedding(vocab, hidden, tp)
+        layer.load_state_dict({"weight": weight[layer.rows.index()]})
+        out = layer(ids)
+        mine = (ids >= layer.rows.start) & (ids < layer.rows.stop)
+        assert torch.equal(out[mine], weight[ids[mine]])
+        assert torch.all(out[~mine] == 0), "another rank's tokens must contribute zeros"
+        assert len(tp.reduced) == 1, "the rows go through one all-reduce"
+        total += out
+    torch.testing.assert_close(total, F.embedding(ids, weight))
+
+
+@pytest.mark.exercise("9.4")
+def test_the_sizes_a_model_splits_across(model_dir):
+    smollm2 = model_module.ModelConfig.from_pretrained(model_dir)  # 9 query heads, 3 KV heads
+    assert smollm2.tensor_parallel_sizes() == [1, 3]
+    tiny = model_module.ModelConfig.from_hf({"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+                                             "intermediate_size": 128, "num_hidden_layers": 2,
+                                             "num_attention_heads": 4, "num_key_value_heads": 2,
+                                             "rms_norm_eps": 1e-5, "max_position_embeddings": 256})
+    assert tiny.tensor_parallel_sizes() == [1, 2, 4]  # 4 ranks: each KV head on two of them
+    # Llama 3 8B's shapes: 32 query heads, 8 KV heads, 14,336 MLP features, a vocabulary of 128,256.
+    llama3 = model_module.ModelConfig.from_hf({"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+                                               "intermediate_size": 14336, "num_hidden_layers": 32,
+                                               "num_attention_heads": 32, "num_key_value_heads": 8,
+                                               "rms_norm_eps": 1e-5, "max_position_embeddings": 8192})
+    assert llama3.tensor_parallel_sizes() == [1, 2, 4, 8, 16, 32]
+    odd = model_module.ModelConfig.from_hf({"model_type": "llama", "vocab_size": 256, "hidden_size": 48,
+                                            "intermediate_size": 96, "num_hidden_layers": 2,
+                                            "num_attention_heads": 6, "num_key_value_heads": 2,
+                                            "rms_norm_eps": 1e-5, "max_position_embeddings": 256})
+    # 3 divides the 6 query heads, but neither divides the 2 KV heads nor is a multiple of them; 6 does not divide
+    # the vocabulary of 256.
+    assert odd.tensor_parallel_sizes() == [1, 2]
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 2 does not split .* use one of 1, 3$"):
+        smollm2.check_tensor_parallel_size(2)
+
+
+@pytest.fixture(scope="module")
+def tiny(model_dir, tmp_path_factory):
+    """Tiny random checkpoints with the course model's tokenizer: {kind: folder}. A Llama (4 heads, 2 KV heads, tied
+    embeddings), a Qwen2 (q/k/v biases), and a Llama with every bias and an untied head."""
+    from .test_model import save_tiny_checkpoint
+
+    folders = {}
+    for kind in ("llama", "qwen2", "llama_untied_bias"):
+        folder = folders[kind] = tmp_path_factory.mktemp(f"tiny_tp_{kind}")
+        save_tiny_checkpoint(kind, folder)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (folder / name).write_bytes((model_dir / name).read_bytes())
+    return folders
+
+
+def test_each_rank_loads_only_its_own_slices(tiny):
+    folder = tiny["llama_untied_bias"]
+    full = model_module.LlamaForCausalLM.from_pretrained(folder, torch.float32, torch.device("cpu"))
+    whole = dict(full.named_parameters())
+    for tp in simulated(2):
+        rank = model_module.LlamaForCausalLM.from_pretrained(folder, torch.float32, torch.device("cpu"), tp)
+        shards = rank.weight_shards()
+        assert "model.layers.0.self_attn.o_proj.bias" not in shards  # a row-parallel bias is whole on every rank
+        for name, parameter in rank.named_parameters():
+            expected = whole[name][shards[name].index()] if name in shards else whole[name]
+            assert torch.equal(parameter, expected), name
+        # Everything but the norms and the row-parallel biases is split in two.
+        replicated = sum(p.numel() * 4 for name, p in rank.named_parameters() if name not in shards)
+        assert rank.num_weight_bytes - replicated == (full.num_weight_bytes - replicated) // 2
+
+
+# --- real ranks: the same answers as one --------------------------------------------------------------------
+
+
+def prompt_logits(engine, prompt_ids: list[int]) -> torch.Tensor:
+    """The logits of every position of a prompt, computed in one step through the engine's runner (and so, with
+    several ranks, through every rank). Uses the pool's first blocks, which a fresh engine has not given out."""
+    n, block_size = len(prompt_ids), engine.config.block_size
+    blocks = list(range(-(-n // block_size)))
+    slots = [blocks[i // block_size] * block_size + i % block_size for i in range(n)]
+    step = model_runner.StepInput(prompt_ids, list(range(n)), slots, [0, n], [n], [blocks], list(range(n)), [], [0])
+    logits, _ = engine.runner.execute(step)
+    return logits
+
+
+def running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def assert_all_stopped(pids: list[int], within_s: float = 15.0) -> None:
+    """Every process in ``pids`` has exited (a zombie is gone too: reaped by its parent)."""
+    deadline = time.monotonic() + within_s
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in alive if running(pid)]
+        time.sleep(0.1)
+    assert not alive, f"processes left behind: {alive}"
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_two_ranks_give_the_logits_and_tokens_of_one(tiny, kind):
+    prompt = [(7 * i + 3) % 256 for i in range(40)]
+    params = sampler.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    one = make_engine(FOLDER, tiny[kind], kv_cache_mb=4)
+    expected_logits, expected_tokens = prompt_logits(one, prompt), one.generate([prompt, prompt[:17]], params)
+    two = make_engine(FOLDER, tiny[kind], kv_cache_mb=4, tensor_parallel_size=2)
+    try:
+        workers = [worker.pid for worker in two.workers]
+        assert len(workers) == 1 and two.tp.size == 2
+        # Each rank holds half the KV heads, so the same megabytes hold twice the blocks (the smallest over ranks).
+        assert two.kv_cache.shape.num_kv_heads == 1 and two.kv_cache.num_blocks == 2 * one.kv_cache.num_blocks
+        torch.testing.assert_close(prompt_logits(two, prompt), expected_logits, atol=LOGITS_ATOL, rtol=0)
+        assert two.generate([prompt, prompt[:17]], params) == expected_tokens
+    finally:
+        two.shutdown()
+    assert_all_stopped(workers)
+
+
+@pytest.fixture(scope="module")
+def engine09_three_ranks(model_dir):
+    engine = make_engine(FOLDER, model_dir, kv_cache_mb=32, tensor_parallel_size=3)
+    yield engine
+    engine.shutdown()
+
+
+def test_three_ranks_of_the_course_model_match_one_and_hugging_face(engine09_three_ranks, engine09, hf_greedy):
+    """SmolLM2-135M split three ways (3 query heads and 1 KV head per rank): the logits of one rank within
+    LOGITS_ATOL, the greedy tokens of Hugging Face exactly, on the standard prompts in one batch."""
+    three = engine09_three_ranks
+    assert three.model.num_weight_bytes < engine09.model.num_weight_bytes / 3 * 1.01  # a third each
+    prompt = three.encode_chat([{"role": "user", "content": CHAT_PROMPTS[1]}])
+    torch.testing.assert_close(prompt_logits(three, prompt), prompt_logits(engine09, prompt), atol=LOGITS_ATOL,
+                               rtol=0)
+    prompts = [three.encode(p) for p in TEXT_PROMPTS] + [three.encode_chat([{"role": "user", "content": p}])
+                                                         for p in CHAT_PROMPTS]
+    answers = three.generate(prompts, sampler.SamplingParams(max_tokens=32, temperature=0.0))
+    for ids, tokens in zip(prompts, answers, strict=True):
+        assert tokens == hf_greedy(ids, 32), three.tokenizer.decode(ids)
+
+
+def test_refused_at_start_up_before_any_process_starts(model_dir):
+    children = psutil.Process().children()
+    with pytest.raises(ValueError, match="use one of 1, 3"):
+        make_engine(FOLDER, model_dir, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="--speculative draft"):
+        make_engine(FOLDER, model_dir, tensor_parallel_size=3, speculative="draft")
+    assert psutil.Process().children() == children
+
+
+# --- the server on two ranks, and the ways ranks go away -------------------------------------------------------
+
+
+def test_the_server_on_two_ranks_answers_streams_and_frees_aborted_blocks(tiny):
+    engine = make_engine(FOLDER, tiny["llama"], kv_cache_mb=4, tensor_parallel_size=2)
+    prompt = [(5 * i + 1) % 256 for i in range(30)]
+    expected = make_engine(FOLDER, tiny["llama"], kv_cache_mb=4).generate(
+        [prompt], sampler.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    try:
+        with serve_stage(FOLDER, engine) as server:
+            client = OpenAI(base_url=f"{server.url}/v1", api_key="none")
+            text = engine.tokenizer.decode(expected)
+            answer = client.completions.create(model="smollm2-135m-instruct", prompt=prompt, max_tokens=8,
+                                               temperature=0, extra_body={"ignore_eos": True})
+            assert answer.choices[0].text == text
+            stream = client.completions.create(model="smollm2-135m-instruct", prompt=prompt, max_tokens=8,
+                                               temperature=0, stream=True, extra_body={"ignore_eos": True})
+            assert "".join(chunk.choices[0].text for chunk in stream) == text
+            # A client that leaves mid-answer: its blocks return (rank 0 keeps the one block table of every rank).
+            with httpx.stream("POST", f"{server.url}/v1/completions", timeout=30, json={
+                    "prompt": prompt, "max_tokens": 200, "stream": True, "ignore_eos": True}) as response:
+                next(response.iter_lines())
+                assert engine.block_manager.num_used > 0
+            deadline = time.monotonic() + 10
+            while engine.block_manager.num_used and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert engine.block_manager.num_used == 0
+            # The ranks are still in step: the same answer again.
+            again = client.completions.create(model="smollm2-135m-instruct", prompt=prompt, max_tokens=8,
+                                              temperature=0, extra_body={"ignore_eos": True})
+            assert again.choices[0].text == text
+    finally:
+        engine.shutdown()
+
+
+def fails_with_503_when(engine, fault) -> None:
+    """Serve ``engine`` (two ranks), start a long request, apply ``fault``: the request ends with a 503, /health
+    turns 503, later requests get 503 at once, and the worker process is gone."""
+    worker = engine.workers[0]
+    with serve_stage(FOLDER, engine) as server:
+        result: dict = {}
+
+        def long_request() -> None:
+            result["response"] = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+                "prompt": [1, 2, 3], "max_tokens": 1000, "ignore_eos": True})
+
+        thread = threading.Thread(target=long_request)
+        thread.start()
+        deadline = time.monotonic() + 20
+        while engine.stats().running == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        fault(worker.pid)
+        thread.join(60)
+        assert result["response"].status_code == 503, result["response"].text
+        assert result["response"].json()["error"]["code"] == "engine_stopped"
+        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 503
+        later = httpx.post(f"{server.url}/v1/completions", timeout=10, json={"prompt": "hi", "max_tokens": 2})
+        assert later.status_code == 503
+    assert_all_stopped([worker.pid])
+
+
+def test_a_worker_killed_mid_request_stops_the_engine_with_503s(tiny):
+    engine = make_engine(FOLDER, tiny["llama"], kv_cache_mb=4, tensor_parallel_size=2)
+    fails_with_503_when(engine, lambda pid: os.kill(pid, signal.SIGKILL))
+
+
+def test_a_collective_that_times_out_stops_the_engine_with_503s(tiny):
+    """A worker that hangs (stopped, not dead): rank 0's next collective waits --dist-timeout seconds, then fails."""
+    engine = make_engine(FOLDER, tiny["llama"], kv_cache_mb=4, tensor_parallel_size=2, dist_timeout=3.0)
+    fails_with_503_when(engine, lambda pid: os.kill(pid, signal.SIGSTOP))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
+def test_stopping_the_server_process_stops_every_rank(tiny, sig):
+    """``python -m 09_tensor_parallel --tensor-parallel-size 2``: SIGTERM (a supervisor), SIGINT (Ctrl-C) or
+    SIGKILL (nothing runs in rank 0 any more) on the server process, and no process of it is left."""
+    port = free_port()
+    command = [sys.executable, "-m", FOLDER, "--model", str(tiny["llama"]), "--device", "cpu",
+               "--kv-cache-mb", "4", "--tensor-parallel-size", "2", "--port", str(port)]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", timeout=120)
+        ranks = [server.pid] + [child.pid for child in psutil.Process(server.pid).children(recursive=True)]
+        assert len(ranks) >= 2, "the server should have started a worker"
+        server.send_signal(sig)
+        server.wait(30)
+        assert_all_stopped(ranks)
+    finally:
+        if server.poll() is None:
+            server.kill()
