@@ -105,7 +105,7 @@ def measure_engine(model: Path, size: int, repeats: int, batches: list[int]) -> 
     engine_module = importlib.import_module(f"{STAGE}.engine")
     runner_module = importlib.import_module(f"{STAGE}.model_runner")
     engine = engine_module.Engine(config_module.EngineConfig(
-        model=str(model), device="cpu", dtype="float32", kv_cache_mb=256, max_num_seqs=max(batches),
+        model=str(model), device="cpu", dtype="float32", kv_cache_mb=512, max_num_seqs=max(batches),
         tensor_parallel_size=size, speculative="off"))
     clock = CollectiveClock() if size > 1 else None
     try:
