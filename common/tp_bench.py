@@ -37,6 +37,29 @@ COLLECTIVES = ("all_reduce", "gather", "broadcast_object_list")
 TWIN = {"num_attention_heads": 12, "num_key_value_heads": 6, "head_dim": 48}  # SmolLM2's shapes otherwise
 
 
+# --- a model of the step: when tensor parallelism pays -------------------------------------------------
+
+
+# An H100 SXM: HBM bandwidth, NVLink bandwidth per direction, and an all-reduce's fixed cost for small messages
+# within one machine (NCCL's order of magnitude; vLLM's custom all-reduce gets closer to 5 us). Assumed, not measured.
+H100 = {"hbm_bytes_per_s": 3.35e12, "link_bytes_per_s": 450e9, "all_reduce_latency_s": 10e-6}
+# Two models (bfloat16): bytes of weights, layers, hidden size.
+LLAMA_8B = {"weight_bytes": 16.1e9, "layers": 32, "hidden": 4096}
+LLAMA_70B = {"weight_bytes": 141e9, "layers": 80, "hidden": 8192}
+
+
+def predicted_decode_ms(model: dict[str, float], gpu: dict[str, float], ranks: int, batch: int) -> float:
+    """A decode step's time on ``ranks`` GPUs, from two terms. Each rank reads its 1/N of the weights once
+    (a small-batch decode step is bound by memory bandwidth, not arithmetic); and 2 all-reduces per layer of
+    [batch, hidden] bfloat16, each its fixed latency plus 2 (N - 1) / N of its bytes over the link (a ring)."""
+    weights = model["weight_bytes"] / ranks / gpu["hbm_bytes_per_s"]
+    if ranks == 1:
+        return 1000 * weights
+    message = batch * model["hidden"] * 2  # bytes of one all-reduce
+    per_all_reduce = gpu["all_reduce_latency_s"] + 2 * (ranks - 1) / ranks * message / gpu["link_bytes_per_s"]
+    return 1000 * (weights + 2 * model["layers"] * per_all_reduce)
+
+
 def build_twin(model_dir: Path, out: Path) -> Path:
     """A random-weight copy of the model with 12 query heads and 6 KV heads, and the model's tokenizer."""
     import torch
