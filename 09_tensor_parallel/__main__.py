@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 
 from common.cli import DEMO_PROMPTS, config_from_args, served_name, stage_parser
 from common.device import DeviceUnavailable
@@ -18,76 +19,40 @@ from common.trace import Tracer, add_trace_args
 from .config import EngineConfig
 from .distributed import under_torchrun
 from .engine import AsyncEngine, Engine, run_worker
-from .proposer import Proposal
 from .sampler import SamplingParams
-from .sequence import Sequence
-
-CODE = """def area(width, height):
-    return width * height
-
-def perimeter(width, height):
-    return 2 * (width + height)
-"""
-EXTRACTIVE = f"Rename `width` to `w` in this code and show the whole code:\n\n{CODE}"
 
 
-class RecordingProposer:
-    """Wraps the engine's proposer to show each step's guesses (the demo's only look inside a step)."""
-
-    def __init__(self, proposer) -> None:
-        self.proposer = proposer
-        self.last: list[Proposal] = []
-
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
-        self.last = self.proposer.propose(seqs, ks)
-        return self.last
-
-
-def show_steps(engine: Engine, prompt_ids: list[int], max_tokens: int) -> None:
-    """One request alone, step by step: its guesses, what was kept, and the model's own token."""
-    recorder = RecordingProposer(engine.proposer)
-    engine.proposer = recorder
-    engine.add_request("steps", prompt_ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
-    text = engine.tokenizer.decode
-    print(f"\nOne request, step by step ({engine.config.speculative}, k = {engine.config.num_speculative_tokens}): "
-          "the guesses kept, the model's own token, the guesses rejected")
-    step = 0
-    while engine.has_unfinished():
-        recorder.last = []
-        for output in engine.step():
-            step += 1
-            guesses = recorder.last[0].token_ids if recorder.last else []
-            j = len(output.token_ids) - 1  # greedy: the first j guesses were kept, then the model's own token
-            kept, own, rejected = output.token_ids[:j], output.token_ids[j:], guesses[j:]
-            print(f"  step {step:3d}: +{len(output.token_ids)}  " + (f"guessed {text(kept)!r} + " if kept else "")
-                  + f"model {text(own)!r}" + (f"   rejected {text(rejected)!r}" if rejected else ""))
-    engine.proposer = recorder.proposer
+def answer(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
+    """Every prompt, greedy, in one batch: the answers and the seconds they took."""
+    started = time.perf_counter()
+    answers = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    return answers, time.perf_counter() - started
 
 
 def demo(engine: Engine, max_tokens: int) -> None:
-    """An extractive request step by step, then the demo chats and the extractive request with and without guesses."""
-    prompt = engine.encode_chat([{"role": "user", "content": EXTRACTIVE}])
-    if engine.proposer is not None:
-        show_steps(engine, prompt, max_tokens=48)
-    prompts = [engine.encode_chat([{"role": "user", "content": p}]) for p in DEMO_PROMPTS] + [prompt]
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    proposer = engine.proposer
-    results = {}
-    for label, guessing in (("with guesses", proposer), ("without", None)):
-        engine.proposer = guessing
-        before = engine.speculation
-        started = time.perf_counter()
-        outputs = [engine.generate([ids], params)[0] for ids in prompts]  # one at a time: concurrency 1
-        seconds = time.perf_counter() - started
-        accepted = engine.speculation.accepted - before.accepted
-        results[label] = outputs
-        print(f"\n{label}: {sum(map(len, outputs))} tokens in {seconds:.1f} s "
-              f"({sum(map(len, outputs)) / seconds:.1f} tokens/s), {accepted} of them accepted guesses")
-    engine.proposer = proposer
-    for prompt_text, ids in zip([*DEMO_PROMPTS, EXTRACTIVE.splitlines()[0]], results["with guesses"], strict=True):
+    """The demo prompts on this engine's ranks and on a split (or an unsplit) engine beside it: the same tokens,
+    each rank's memory, and what the split costs or saves in time on this machine."""
+    prompts = [engine.encode_chat([{"role": "user", "content": p}]) for p in DEMO_PROMPTS]
+    answers, seconds = answer(engine, prompts, max_tokens)
+    for prompt_text, ids in zip(DEMO_PROMPTS, answers, strict=True):
         print(f"\n{prompt_text!r}\n  -> {engine.tokenizer.decode(ids, skip_special_tokens=True)!r}")
-    same = results["with guesses"] == results["without"]
-    print(f"\nThe same tokens with guesses and without: {same}")
+    sizes = engine.model.config.tensor_parallel_sizes()
+    other_size = 1 if engine.tp.size > 1 else next((n for n in sizes if n > 1), None)
+    if other_size is None or under_torchrun():  # torchrun's processes are all this engine's
+        print(f"\n{sum(map(len, answers))} tokens in {seconds:.1f} s; {engine.memory_report()}")
+        return
+    print(f"\nThe same prompts on {other_size} rank(s), for comparison (--tensor-parallel-size {other_size}):")
+    other = Engine(replace(engine.config, tensor_parallel_size=other_size))
+    try:
+        other_report = other.memory_report()
+        other_answers, other_seconds = answer(other, prompts, max_tokens)
+    finally:
+        other.shutdown()
+    for size, report, tokens, took in ((engine.tp.size, engine.memory_report(), answers, seconds),
+                                       (other_size, other_report, other_answers, other_seconds)):
+        print(f"  {size} rank(s): {sum(map(len, tokens))} tokens in {took:.1f} s; {report}")
+    print(f"The same tokens on {engine.tp.size} and on {other_size} rank(s): {answers == other_answers}. "
+          "On one machine's CPU the ranks share its cores: the README measures what a split costs here.")
 
 
 def main() -> None:

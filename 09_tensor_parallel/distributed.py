@@ -62,6 +62,7 @@ class TPGroup:
     group: Any = None  # the forward pass's collectives: gloo or NCCL, timeout --dist-timeout (None: no processes)
     control: Any = None  # rank 0's step messages and start-up agreements: gloo (a worker waits there when idle)
     local_rank: int = 0  # the rank on its own machine: which GPU it drives
+    threads_before: int = 0  # on a CPU: the process's PyTorch threads before it joined, given back by close()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place: every rank ends with the same total."""
@@ -96,6 +97,8 @@ class TPGroup:
     def close(self) -> None:
         if self.size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+        if self.threads_before:
+            torch.set_num_threads(self.threads_before)
 
 
 SINGLE = TPGroup()  # one rank: no processes, no communication
@@ -110,6 +113,7 @@ def join(rank: int, size: int, init_method: str, device: torch.device, timeout_s
          local_rank: int | None = None) -> TPGroup:
     """Join the process group as ``rank`` of ``size``: every rank calls this, and it returns when all have."""
     local_rank = rank if local_rank is None else local_rank
+    threads_before = torch.get_num_threads()
     if device.type == "cuda":  # before anything touches the GPU: NCCL binds each rank to the current device
         torch.cuda.set_device(local_rank)
     else:  # the ranks share the cores: each takes its part, or N processes would each run as many threads
@@ -119,7 +123,7 @@ def join(rank: int, size: int, init_method: str, device: torch.device, timeout_s
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=IDLE_TIMEOUT)
     group = dist.new_group(backend=backend, timeout=timedelta(seconds=timeout_s))
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s) if rank == 0 else IDLE_TIMEOUT)
-    return TPGroup(rank, size, group, control, local_rank)
+    return TPGroup(rank, size, group, control, local_rank, threads_before if device.type == "cpu" else 0)
 
 
 def under_torchrun() -> bool:
