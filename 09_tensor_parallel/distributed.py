@@ -34,6 +34,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import torch
@@ -137,7 +138,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_workers(size: int, target: Any, args: tuple[Any, ...]) -> tuple[str, list[mp.Process]]:
+def spawn_workers(size: int, target: Any, args: tuple[Any, ...]) -> tuple[str, list[BaseProcess]]:
     """Start ranks 1 .. size-1 as fresh processes running ``target(rank, init_method, *args)``.
 
     ``spawn``, not ``fork``: a forked child would inherit this process's threads (the server's, PyTorch's)
@@ -151,7 +152,7 @@ def spawn_workers(size: int, target: Any, args: tuple[Any, ...]) -> tuple[str, l
     return init_method, workers
 
 
-def stop_workers(workers: list[mp.Process], timeout_s: float = 10.0) -> None:
+def stop_workers(workers: list[BaseProcess], timeout_s: float = 10.0) -> None:
     """Wait for the workers to leave; terminate, then kill, any that do not: no process is left behind."""
     deadline = time.monotonic() + timeout_s
     for worker in workers:

@@ -35,6 +35,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 
 import torch
 from transformers import AutoTokenizer
@@ -173,7 +174,7 @@ class Engine:
         self.max_num_batched_tokens = token_budget(config, self.device)  # checked before the weights are loaded
         model_dir = resolve_model(config.model)
         check_tensor_parallel(config, ModelConfig.from_pretrained(model_dir))  # before any process starts
-        self.workers: list = []  # ranks 1 .. N-1, when this engine started them (not under torchrun)
+        self.workers: list[BaseProcess] = []  # ranks 1 .. N-1, when this engine started them (not under torchrun)
         self.tp = tp if tp is not None else self.start_ranks(config)
         self.device = device_of(self.device, self.tp)  # on CUDA each rank its own GPU
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
