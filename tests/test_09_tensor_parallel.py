@@ -239,8 +239,10 @@ def test_two_ranks_give_the_logits_and_tokens_of_one(tiny, kind):
     assert_all_stopped(workers)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def engine09_three_ranks(model_dir):
+    """SmolLM2-135M on three ranks, for one test: a process holds one process group at a time, so every
+    multi-rank engine is shut down before the next test starts another."""
     engine = make_engine(FOLDER, model_dir, kv_cache_mb=32, tensor_parallel_size=3)
     yield engine
     engine.shutdown()
