@@ -97,8 +97,11 @@ grade: install
 # `make test STAGE=03`: only the tests that name the stage, by its folder (03_paged_kv: its own test file and
 # the stage's case of every test run over stages) or as stage03 (homework). STAGE must be on the command line:
 # its default (the latest stage, for `make demo`) does not narrow the suite.
+# Two worker processes (pytest-xdist), each taking whole test files: much of the suite waits on servers,
+# subprocesses and imports, and the two share the cores (each runs PyTorch on its share, see tests/conftest.py).
+TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest $(if $(filter command line,$(origin STAGE)),$(if $(STAGE_DIR),-k "$(STAGE_DIR) or stage$(STAGE)",\
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(if $(filter command line,$(origin STAGE)),$(if $(STAGE_DIR),-k "$(STAGE_DIR) or stage$(STAGE)",\
 		$(error no stage folder matches STAGE=$(STAGE))))
 
 # On a GPU machine: `pytest -m cuda`, each stage's demo with --device cuda (Triton and the PyTorch reference),

@@ -22,6 +22,9 @@ from common.weights import DEFAULT_MODEL, resolve_model
 
 from .servers import LiveServer, start_fastapi, start_flask
 
+if workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # `make test` runs two pytest workers side by side:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))  # each its share of the cores
+
 # Without a GPU, the Triton kernels (stage 03 on) run in Triton's interpreter: set before triton is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
