@@ -22,14 +22,14 @@ machine it must not wait behind NCCL kernels.
 Timeouts say when waiting means a rank is gone or stuck. Each process sets its own: rank 0 and the forward
 pass's collectives wait ``--dist-timeout`` seconds at most (gloo's broadcast waits until the receiver
 takes the message, so a stuck worker would hold rank 0 forever), while a worker waits for rank 0's next
-step as long as the server stays idle.
+step as long as the server stays idle. Agreeing at start-up (``min``) waits as long as the slowest rank
+takes to load its weights, in a third group.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -40,6 +40,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from common.net import free_port
 
 log = logging.getLogger("llm-course")
 
@@ -61,7 +63,8 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: Any = None  # the forward pass's collectives: gloo or NCCL, timeout --dist-timeout (None: no processes)
-    control: Any = None  # rank 0's step messages and start-up agreements: gloo (a worker waits there when idle)
+    control: Any = None  # rank 0's step messages: gloo (a worker waits there when idle)
+    startup: Any = None  # start-up agreements: gloo, waiting as long as the slowest rank takes to load its weights
     local_rank: int = 0  # the rank on its own machine: which GPU it drives
     threads_before: int = 0  # on a CPU: the process's PyTorch threads before it joined, given back by close()
 
@@ -92,7 +95,7 @@ class TPGroup:
         if self.size == 1:
             return value
         tensor = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.control)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.startup)
         return int(tensor.item())
 
     def close(self) -> None:
@@ -124,18 +127,13 @@ def join(rank: int, size: int, init_method: str, device: torch.device, timeout_s
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=IDLE_TIMEOUT)
     group = dist.new_group(backend=backend, timeout=timedelta(seconds=timeout_s))
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s) if rank == 0 else IDLE_TIMEOUT)
-    return TPGroup(rank, size, group, control, local_rank, threads_before if device.type == "cpu" else 0)
+    startup = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    return TPGroup(rank, size, group, control, startup, local_rank, threads_before if device.type == "cpu" else 0)
 
 
 def under_torchrun() -> bool:
     """torchrun (or any launcher that sets the env:// variables) started this process as one of the ranks."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn_workers(size: int, target: Any, args: tuple[Any, ...]) -> tuple[str, list[BaseProcess]]:

@@ -710,9 +710,9 @@ class AsyncEngine:
         other ranks are still there (stage 09): a dead one stops the engine, and /health says so."""
         while True:
             try:
-                message = self._inbox.get(block=block, timeout=RANK_CHECK_S if block else None)
+                message = self._inbox.get(block=block, timeout=RANK_CHECK_S if block and self._engine.workers else None)
             except queue.Empty:
-                if block:
+                if block:  # idle, with ranks to watch
                     self._engine.check_ranks()
                     continue
                 break

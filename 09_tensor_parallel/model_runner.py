@@ -225,7 +225,7 @@ class ModelRunner:
         return bucket_for(len(step.seq_lens), self.sizes)
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def execute(self, step: StepInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """One forward pass for the whole step, on every rank: rank 0 sends the step to the others first.
 
         Returns the logits of the last token of each sequence that samples and of its guesses (stage 08),
@@ -251,7 +251,7 @@ class ModelRunner:
         while (step := self.tp.broadcast(None)) is not None:
             self.run_step(step)
 
-    def run_step(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run_step(self, step: StepInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """This rank's part of the step: from the static buffers when it fits a bucket, else eagerly."""
         size = self.bucket(step)
         if size is not None:

@@ -28,7 +28,6 @@ import os
 import platform
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -54,6 +53,7 @@ from .loadgen import (
     shared_prefix,
     warm_up,
 )
+from .net import free_port
 from .plots import plot_results
 from .trace import read_traces
 from .weights import DEFAULT_MODEL
@@ -194,12 +194,6 @@ def stage_command(stage: str, port: int, model: str, device: str, dtype: str) ->
     """The command that serves ``stage`` on 127.0.0.1:``port``."""
     return [sys.executable, "-m", stage_folder(stage), "--port", str(port), "--host", "127.0.0.1", "--model", model,
             "--device", device, "--dtype", dtype]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(url: str, server: subprocess.Popen[bytes], log: Path, timeout_s: float = 600) -> None:

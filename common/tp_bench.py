@@ -28,7 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .bench import RESULTS, free_port, git_state, machine_info
+from .bench import RESULTS, git_state, machine_info
+from .net import free_port
 from .weights import DEFAULT_MODEL, resolve_model
 
 STAGE = "09_tensor_parallel"
@@ -125,6 +126,8 @@ def prefill_step(runner_module: Any, block_size: int) -> Any:
 def measure_engine(model: Path, size: int, repeats: int, batches: list[int]) -> dict[str, Any]:
     """Memory per rank and, per kind of step, its median time and rank 0's time in collectives."""
     config_module = importlib.import_module(f"{STAGE}.config")
+    import torch
+
     engine_module = importlib.import_module(f"{STAGE}.engine")
     runner_module = importlib.import_module(f"{STAGE}.model_runner")
     engine = engine_module.Engine(config_module.EngineConfig(
@@ -138,7 +141,7 @@ def measure_engine(model: Path, size: int, repeats: int, batches: list[int]) -> 
             "weights_mib": engine.model.num_weight_bytes / 2**20,
             "kv_bytes_per_token": engine.kv_cache.shape.bytes_per_token,
             "kv_heads_per_rank": engine.kv_cache.shape.num_kv_heads,
-            "threads_per_rank": __import__("torch").get_num_threads(),
+            "threads_per_rank": torch.get_num_threads(),
             "steps": {},
         }
         for name, step in steps.items():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -12,6 +11,8 @@ from typing import Any
 
 import httpx
 import openai
+
+from common.net import free_port
 
 
 @dataclass
@@ -28,12 +29,6 @@ class LiveServer:
             if line.startswith(name + " "):
                 return float(line.split()[1])
         raise KeyError(name)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(url: str, timeout: float = 60) -> None:

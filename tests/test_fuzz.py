@@ -15,7 +15,7 @@ torch overflow (now a 400), and a top_k past 64 bits overflowed stage 04's batch
 
 The cases are the same on every run (``derandomize``), so CI is repeatable; ``FUZZ_RANDOM=1``
 explores new ones. The newest stage, whose server every later change touches, gets 200 cases a route;
-the earlier ones the first 50 of the same cases (``FUZZ_CASES=200`` gives every stage 200)."""
+the earlier ones 50 cases of the same strategy (``FUZZ_CASES=200`` gives every stage 200)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ STAGES = [folder[:2] for folder in FASTAPI_STAGES]
 MODEL = "smollm2-135m-instruct"
 VOCAB_SIZE = 49152  # SmolLM2's
 CASES_PER_ROUTE = 200  # the newest stage's
-CASES_PER_ROUTE_EARLIER = int(os.environ.get("FUZZ_CASES", 50))  # every earlier stage's: the first cases of the same
+CASES_PER_ROUTE_EARLIER = int(os.environ.get("FUZZ_CASES", 50))  # every earlier stage's
 MAX_FUZZ_TOKENS = 2
 TIMEOUT_S = 60  # a request that takes longer than this is a hang
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
