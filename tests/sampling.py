@@ -1,22 +1,23 @@
 """Any stage's sampler through one row at a time, so that one set of sampler tests covers every stage.
 
-Stages 01 to 03 sample one sequence: ``sample(logits [V], params, generator)``. From stage 04 on the
-sampler takes a batch: ``sample(logits [B, V], [params], [generators])``. ``OneRow`` calls either
-with a single row and returns that row's answer."""
+Stages before continuous batching (01 to 03) sample one sequence: ``sample(logits [V], params, generator)``.
+With it (04 on) the sampler takes a batch: ``sample(logits [B, V], [params], [generators])``. ``OneRow``
+calls either with a single row and returns that row's answer."""
 
 from __future__ import annotations
 
-import inspect
-from types import ModuleType
 from typing import Any
 
 import torch
 
+from .conftest import stage
+from .stages import has
+
 
 class OneRow:
-    def __init__(self, module: ModuleType) -> None:
-        self.module = module
-        self.batched = "generators" in inspect.signature(module.sample).parameters
+    def __init__(self, folder: str) -> None:
+        self.module = stage(folder, "sampler")
+        self.batched = has(folder, "batching")  # the sampler takes a batch of rows, a generator each
 
     def __getattr__(self, name: str) -> Any:  # SamplingParams, make_generator, MIN_TEMPERATURE, ...
         return getattr(self.module, name)

@@ -1,18 +1,198 @@
-"""The course's stages, in one place. Every test that runs over stages takes its list from here, so a
-new stage joins each component test of the modules it has (sampler, block manager, scheduler,
-attention, model, server) by being listed once."""
+"""The course's stages, in one table. Every test that runs over stages takes its list from here, and every
+test that treats stages differently asks what a stage can do (``has``, ``stages_having``), never where its
+name sorts; so a new stage is one entry in TABLE: it joins each component test of the modules it has
+(sampler, block manager, scheduler, attention, model, server), the tests of each capability it has, and
+test_stage_diffs's check that it changes only what its lesson lists.
+
+What each lesson changes is listed from the tree, not by hand: ``python -m tests.stages --write`` rewrites
+TABLE with each stage's changed definitions as they are now (``--changed`` prints it instead, ``--why`` says
+how each definition changed; a stage folder TABLE lacks gets an entry to fill in: its lesson and ``adds``).
+Read the rewritten lists before committing them: every name there is a difference the lesson owns."""
 
 from __future__ import annotations
 
+import argparse
+import ast
+import filecmp
+import itertools
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import MappingProxyType
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
-STAGES = ["01_naive", "02_streaming", "03_paged_kv", "04_continuous_batching", "05_prefix_cache", "06_chunked_prefill",
-          "07_cuda_graphs", "08_speculative", "09_tensor_parallel"]
-FASTAPI_STAGES = STAGES[1:]  # the OpenAI server with streaming; stage 01 is a Flask app
+# What a stage can do, by the lesson that brings it; a stage keeps every earlier stage's capabilities.
+CAPABILITIES = {
+    "streaming": "02: tokens streamed as they come, by a generator per request; the OpenAI server (FastAPI)",
+    "paged_kv": "03: a pool of fixed-size KV blocks (block manager, kv_cache_mb), attention that reads them",
+    "batching": "04: one continuous batch: add_request / step, a scheduler, a sampler over a batch of rows",
+    "prefix_cache": "05: shared, counted, evictable blocks; a cache hit at admission; n > 1 shares the prompt's",
+    "chunking": "06: a token budget per step, mixing decode rows and prompt chunks (no step is prefill-only)",
+    "static_buffers": "07: decode steps from static buffers in buckets, replayed as CUDA graphs",
+    "speculation": "08: speculative decoding: k guesses per sequence, verified in one pass",
+    "ranks": "09: tensor parallelism over several ranks (processes), steps broadcast from rank 0",
+}
+IMPORTS, DOCSTRING, OTHER = "<imports>", "__doc__", "<statements>"  # the pseudo-definitions of a module
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage: its folder, what its lesson adds, and what that lesson may change in the previous stage's
+    files (new files are free). ``changes`` maps each changed file to its top-level definitions that may
+    differ: function, class and variable names, ``__doc__`` (the module docstring), ``<imports>`` and
+    ``<statements>`` (any other top-level code). README.md, EXERCISES.md, __init__.py and __main__.py
+    (the package's identity) always change and are not listed."""
+
+    folder: str
+    adds: frozenset[str] = frozenset()  # capabilities; ``capabilities`` holds these and every earlier stage's
+    lesson: str = ""
+    changes: Mapping[str, frozenset[str]] = field(default_factory=dict, hash=False)
+    capabilities: frozenset[str] = frozenset()  # filled in by course()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "adds", frozenset(self.adds))
+        object.__setattr__(self, "changes",
+                           MappingProxyType({name: frozenset(defs) for name, defs in self.changes.items()}))
+
+    @property
+    def may_change(self) -> frozenset[str]:
+        """The definitions the lesson may change, as ``file.py:Name``."""
+        return frozenset(f"{file}:{name}" for file, names in self.changes.items() for name in names)
+
+
+def course(*stages: Stage) -> tuple[Stage, ...]:
+    """The stages in course order, each with its capabilities: what its lesson adds and all it had before."""
+    have: frozenset[str] = frozenset()
+    table = []
+    for entry in stages:
+        unknown = entry.adds - CAPABILITIES.keys()
+        assert not unknown, f"{entry.folder}: unknown capabilities {sorted(unknown)}; describe them in CAPABILITIES"
+        have |= entry.adds
+        table.append(replace(entry, capabilities=have))
+    return tuple(table)
+
+
+TABLE = course(
+    Stage("01_naive",
+          lesson="one request at a time, the whole answer at once; a Flask app"),
+    Stage("02_streaming", adds={"streaming"},
+          lesson="streaming; the complete OpenAI API",
+          changes={
+              "engine.py": ("__doc__", "<imports>", "AsyncEngine", "Engine", "EngineStats", "EngineStopped",
+                            "GenerationResult", "InvalidRequest", "find_stop", "kv_cache_bytes", "log"),
+              "sampler.py": ("__doc__", "SamplingParams", "TokenLogprobs", "apply_penalties", "compute_logprobs",
+                             "sample"),
+              "server.py": ("__doc__", "<imports>", "GENERATION_RESPONSES", "NOT_IN_STAGE_01", "SSE_EVENT",
+                            "client_gone", "collect", "create_app", "error_of", "refuse_unsupported", "respond",
+                            "sse_event", "sse_response", "usage_of"),
+          }),
+    Stage("03_paged_kv", adds={"paged_kv"},
+          lesson="the paged KV cache",
+          changes={
+              "config.py": ("EngineConfig",),
+              "engine.py": ("__doc__", "<imports>", "AsyncEngine", "Engine", "EngineStats", "KVBlockStats",
+                            "WARM_UP_TOKENS"),
+              "metrics.py": ("<imports>", "Metrics"),
+              "server.py": ("__doc__", "create_app"),
+          }),
+    Stage("04_continuous_batching", adds={"batching"},
+          lesson="continuous batching: a scheduler, one batch of every running sequence",
+          changes={
+              "attention.py": ("decode_attention_reference", "extend_attention_reference", "gather_kv",
+                               "length_groups"),
+              "config.py": ("EngineConfig",),
+              "engine.py": ("__doc__", "<imports>", "AbortRequest", "AddRequest", "AsyncEngine", "Engine",
+                            "EngineStats", "InboxMessage", "Shutdown", "WARM_UP_TOKENS"),
+              "metrics.py": ("Metrics",),
+              "sampler.py": ("__doc__", "apply_penalties", "apply_top_k", "apply_top_p", "compute_logprobs",
+                             "logits_to_probs", "sample"),
+              "sequence.py": ("__doc__", "<imports>", "Request", "Sequence", "SequenceStatus"),
+          }),
+    Stage("05_prefix_cache", adds={"prefix_cache"},
+          lesson="the prefix cache: shared, counted, evictable blocks; a cache hit at admission; what users see of it",
+          changes={
+              "block_manager.py": ("__doc__", "<imports>", "BlockManager"),
+              "config.py": ("EngineConfig",),
+              "engine.py": ("<imports>", "AsyncEngine", "Engine", "EngineStats", "KVBlockStats", "PrefixCacheStats",
+                            "make_index", "sample_seed"),
+              "metrics.py": ("Metrics",),
+              "scheduler.py": ("__doc__", "Batch", "Scheduler"),
+              "sequence.py": ("Request", "RequestOutput", "Sequence"),
+              "server.py": ("__doc__", "<imports>", "by_choice", "create_app", "sse_response", "usage_of"),
+          }),
+    Stage("06_chunked_prefill", adds={"chunking"},
+          lesson="chunked prefill: a token budget per step, decodes first; one pass for decode rows and prompt chunks",
+          changes={
+              "attention.py": ("extend_attention_reference",),
+              "config.py": ("CPU_TOKEN_BUDGET", "CUDA_TOKEN_BUDGET", "EngineConfig"),
+              "engine.py": ("__doc__", "<imports>", "Engine", "token_budget"),
+              "model_runner.py": ("__doc__", "ModelRunner"),
+              "scheduler.py": ("__doc__", "Batch", "Scheduler"),
+              "sequence.py": ("Sequence",),
+          }),
+    Stage("07_cuda_graphs", adds={"static_buffers"},
+          lesson="CUDA graphs: decode steps from static buffers in buckets, captured on CUDA; padding rows that do "
+                 "nothing",
+          changes={
+              "attention.py": ("decode_attention_reference", "length_groups"),
+              "config.py": ("EngineConfig",),
+              "engine.py": ("<imports>", "Engine"),
+              "model_runner.py": ("__doc__", "<imports>", "ModelRunner", "StaticBuffers", "bucket_for",
+                                  "graph_batch_sizes", "log"),
+              "triton_attention.py": ("_merge_splits_kernel",),
+          }),
+    Stage("08_speculative", adds={"speculation"},
+          lesson="speculative decoding: room for guesses, k + 1 rows a sequence, verification, rejected blocks back, "
+                 "counters",
+          changes={
+              "block_manager.py": ("BlockManager",),
+              "config.py": ("EngineConfig",),
+              "engine.py": ("__doc__", "<imports>", "AsyncEngine", "Engine", "EngineStats", "SpeculationStats"),
+              "metrics.py": ("Metrics",),
+              "model_runner.py": ("__doc__", "ModelRunner"),
+              "scheduler.py": ("__doc__", "Scheduler"),
+              "sequence.py": ("<imports>", "RequestOutput", "Sequence"),
+              "server.py": ("__doc__", "create_app"),
+          }),
+    Stage("09_tensor_parallel", adds={"ranks"},
+          lesson="tensor parallelism: parallel layers loading their slices, ranks started and stopped, steps broadcast",
+          changes={
+              "config.py": ("EngineConfig",),
+              "engine.py": ("__doc__", "<imports>", "AsyncEngine", "Engine", "RANK_CHECK_S", "check_tensor_parallel",
+                            "run_worker"),
+              "model.py": ("__doc__", "<imports>", "Attention", "DecoderLayer", "LlamaForCausalLM", "LlamaModel", "MLP",
+                           "ModelConfig", "load_safetensors"),
+              "model_runner.py": ("__doc__", "<imports>", "ModelRunner"),
+          }),
+)
+BY_FOLDER = {entry.folder: entry for entry in TABLE}
+STAGES = [entry.folder for entry in TABLE]
+# Always-changing files (see Stage): identity and prose, not code a lesson carries forward.
+ALWAYS = frozenset({"README.md", "EXERCISES.md", "__init__.py", "__main__.py"})
+
+
+def check_capability(capability: str) -> None:
+    if capability not in CAPABILITIES:
+        raise ValueError(f"unknown capability {capability!r}: one of {sorted(CAPABILITIES)}")
+
+
+def has(folder: str, capability: str) -> bool:
+    """Whether stage ``folder`` can do ``capability`` (one of CAPABILITIES)."""
+    check_capability(capability)
+    if folder not in BY_FOLDER:
+        raise KeyError(f"{folder} is not in TABLE (tests/stages.py): `python -m tests.stages --write` adds it")
+    return capability in BY_FOLDER[folder].capabilities
+
+
+def stages_having(capability: str) -> list[str]:
+    """The stages that can do ``capability``, in course order."""
+    return [folder for folder in STAGES if has(folder, capability)]
+
+
+FASTAPI_STAGES = stages_having("streaming")  # the OpenAI server with streaming; stage 01 is a Flask app
 
 
 def stages_with(module: str) -> list[str]:
@@ -37,3 +217,205 @@ def changed_stages_with(*modules: str) -> list[str]:
 def graded_first(folders: list[str], exercise: str) -> list:
     """``folders`` as pytest params, the first (the stage that introduces the code) grading ``exercise``."""
     return [pytest.param(folders[0], marks=pytest.mark.exercise(exercise)), *folders[1:]]
+
+
+# --- what a stage changes ------------------------------------------------------------------------------
+
+
+def files(folder: str) -> set[str]:
+    """The stage's own sources and prose (.py and .md files)."""
+    return {p.name for p in (REPO / folder).iterdir() if p.is_file() and p.suffix in (".py", ".md")}
+
+
+def changed_files(previous: str, current: str) -> set[str]:
+    """The files both stages have whose bytes differ."""
+    return {name for name in files(previous) & files(current)
+            if not filecmp.cmp(REPO / previous / name, REPO / current / name, shallow=False)}
+
+
+def assigned_names(target: ast.expr) -> list[str] | None:
+    """The names an assignment's target binds (``a``, ``a, (b, *c)``); None for an attribute or subscript."""
+    if isinstance(target, ast.Name):
+        return [target.id]
+    if isinstance(target, ast.Starred):
+        return assigned_names(target.value)
+    if isinstance(target, ast.Tuple | ast.List):
+        names = [assigned_names(element) for element in target.elts]
+        return None if None in names else [name for group in names for name in group]
+    return None
+
+
+def top_level_names(node: ast.stmt) -> list[str]:
+    """The definitions one top-level statement makes: a function's or class's name, each variable it
+    assigns, ``<imports>`` for imports (also under ``if TYPE_CHECKING:``), else ``<statements>``."""
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+        return [node.name]
+    if isinstance(node, ast.Import | ast.ImportFrom):
+        return [IMPORTS]
+    if isinstance(node, ast.If) and all(isinstance(n, ast.Import | ast.ImportFrom) for n in node.body + node.orelse):
+        return [IMPORTS]
+    if isinstance(node, ast.Assign):
+        names = [assigned_names(target) for target in node.targets]
+        return [OTHER] if None in names else [name for group in names for name in group]
+    if isinstance(node, ast.AnnAssign | ast.AugAssign):
+        return assigned_names(node.target) or [OTHER]
+    return [OTHER]
+
+
+def definitions(source: str) -> dict[str, list[ast.AST]]:
+    """A module's top-level definitions by name (see top_level_names), each with the statements that make it.
+    ``__doc__`` is the module docstring's node."""
+    tree = ast.parse(source)
+    found: dict[str, list[ast.AST]] = {}
+    body = tree.body
+    if ast.get_docstring(tree, clean=False) is not None:
+        found[DOCSTRING], body = [body[0]], body[1:]
+    for node in body:
+        for name in top_level_names(node):
+            found.setdefault(name, []).append(node)
+    return found
+
+
+def dumps(nodes: Iterable[ast.AST]) -> list[str]:
+    """Nodes as ast.dump gives them: every name, value and docstring, no line numbers, no comments."""
+    return [ast.dump(node) for node in nodes]
+
+
+def class_detail(before: ast.ClassDef, after: ast.ClassDef) -> str:
+    """Which parts of a class differ: its docstring, its header (bases, decorators), its members by name."""
+    parts = []
+    if ast.get_docstring(before, clean=False) != ast.get_docstring(after, clean=False):
+        parts.append("docstring")
+    if dumps([*before.bases, *before.keywords, *before.decorator_list]) != \
+            dumps([*after.bases, *after.keywords, *after.decorator_list]):
+        parts.append("header")
+    members = [{}, {}]
+    for side, cls in zip(members, (before, after), strict=True):
+        body = cls.body[1:] if ast.get_docstring(cls, clean=False) is not None else cls.body
+        for node in body:
+            for name in top_level_names(node):
+                side.setdefault(name, []).append(ast.dump(node))
+    parts += [name for name in sorted(members[0].keys() | members[1].keys()) if members[0].get(name) !=
+              members[1].get(name)]
+    return ", ".join(parts)
+
+
+def changed_definitions(previous: str, current: str, file: str) -> dict[str, str]:
+    """The top-level definitions of ``file`` that differ between two stages, each with how: added, removed,
+    or changed (for a class: which of its parts)."""
+    before, after = (definitions((REPO / folder / file).read_text()) for folder in (previous, current))
+    changed = {}
+    for name in sorted(before.keys() | after.keys()):
+        if name not in after:
+            changed[name] = "removed"
+        elif name not in before:
+            changed[name] = "added"
+        elif dumps(before[name]) != dumps(after[name]):
+            old, new = before[name], after[name]
+            classes = len(old) == len(new) == 1 and all(isinstance(n[0], ast.ClassDef) for n in (old, new))
+            changed[name] = f"changed: {class_detail(old[0], new[0])}" if classes else "changed"
+    return changed
+
+
+def lesson_changes(previous: str, current: str) -> dict[str, dict[str, str]]:
+    """What ``current`` changes in ``previous``'s code: each changed .py file (but the ALWAYS ones) with its
+    changed definitions (an empty dict: only comments or layout differ)."""
+    return {file: changed_definitions(previous, current, file)
+            for file in sorted(changed_files(previous, current) - ALWAYS) if file.endswith(".py")}
+
+
+def stage_folders() -> list[str]:
+    """The stage folders on disk (``NN_name`` packages), in course order."""
+    return sorted(p.parent.name for p in REPO.glob("[0-9][0-9]_*/__init__.py"))
+
+
+def string_source(text: str, indent: int, width: int) -> list[str]:
+    """``text`` as a Python string literal, split at spaces into adjacent literals that fit ``width``."""
+    lines, line = [], ""
+    for word in text.split(" "):
+        if line and indent + len(line) + len(word) + 3 > width:  # the quotes and a comma
+            lines.append(line)
+            line = ""
+        line += word + " "
+    lines.append(line[:-1])
+    return [f'"{part}"' for part in lines]
+
+
+def entry_source(folder: str, previous: str | None, width: int = 120) -> list[str]:
+    """``folder``'s entry of TABLE as Python source: its folder, capabilities and lesson as the table has
+    them (a placeholder for a stage the table lacks), its changes as the tree has them."""
+    known = BY_FOLDER.get(folder)
+    adds = sorted(known.adds) if known else []
+    lesson = known.lesson if known else "TODO: the lesson, in a line"
+    out = [f'    Stage("{folder}"' + (", adds={" + ", ".join(f'"{a}"' for a in adds) + "}" if adds else "") + ","]
+    pieces = string_source(lesson, len("          lesson="), width)
+    out.append("          lesson=" + pieces[0])
+    out += ["                 " + piece for piece in pieces[1:]]
+    if previous is None:
+        out[-1] += "),"
+        return out
+    out[-1] += ","
+    out.append("          changes={")
+    order = {DOCSTRING: 0, IMPORTS: 1, OTHER: 2}
+    for file, changed in lesson_changes(previous, folder).items():
+        head = f'              "{file}": ('
+        names = [f'"{name}"' for name in sorted(changed, key=lambda n: (order.get(n, 3), n))]
+        line, lines = head, []
+        for i, name in enumerate(names):
+            last = i == len(names) - 1
+            piece = name + (("," if len(names) == 1 else "") + ")," if last else ", ")
+            if line != head and len(line) + len(piece.rstrip()) > width:
+                lines.append(line.rstrip())
+                line = " " * len(head)
+            line += piece
+        lines.append(line if names else head + "),")
+        out += lines
+    out.append("          }),")
+    return out
+
+
+def table_source(width: int = 120) -> str:
+    """TABLE as Python source, from the stage folders on disk and what each changes in the one before."""
+    lines = ["TABLE = course("]
+    folders = stage_folders()
+    for previous, folder in zip([None, *folders], folders, strict=False):
+        lines += entry_source(folder, previous, width)
+    return "\n".join([*lines, ")"])
+
+
+def write_table() -> None:
+    """Rewrite TABLE in this file from the tree (the lessons and capabilities as they are)."""
+    path = Path(__file__)
+    source = path.read_text()
+    start = source.index("\nTABLE = course(\n") + 1
+    end = source.index("\n)\n", start) + 2
+    path.write_text(source[:start] + table_source() + source[end:])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tests.stages", description=__doc__.splitlines()[0])
+    parser.add_argument("--changed", action="store_true",
+                        help="print TABLE with each stage's changes as the tree has them (the definitions that "
+                             "differ from the previous stage's), to paste over TABLE in tests/stages.py")
+    parser.add_argument("--write", action="store_true", help="rewrite TABLE in tests/stages.py so (see --changed)")
+    parser.add_argument("--why", action="store_true", help="say how each changed definition changed")
+    args = parser.parse_args(argv)
+    if args.write:
+        write_table()
+    elif args.changed:
+        print(table_source())
+    elif args.why:
+        for previous, current in itertools.pairwise(stage_folders()):
+            print(f"# {current} (against {previous})")
+            for file, changed in lesson_changes(previous, current).items():
+                for name, how in changed.items():
+                    print(f"{file}:{name}  {how}")
+                if not changed:
+                    print(f"{file}  comments or layout only")
+    else:
+        for entry in TABLE:
+            print(f"{entry.folder:24} {', '.join(sorted(entry.capabilities)) or '-'}")
+
+
+if __name__ == "__main__":
+    main()

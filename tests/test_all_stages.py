@@ -5,13 +5,11 @@ a stage's on/off switches, listed in VARIANTS). The references are computed once
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 
 from .conftest import make_engine, stage
 from .prompts import CHAT_PROMPTS, TEXT_PROMPTS
-from .stages import STAGES
+from .stages import STAGES, has
 
 MAX_TOKENS = 32
 
@@ -19,10 +17,9 @@ MAX_TOKENS = 32
 def greedy_tokens(folder: str, engine, prompts: list[list[int]]) -> list[list[int]]:
     """Each prompt's greedy tokens through the stage's own offline API (its shape changes with the lesson)."""
     params = stage(folder, "sampler").SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    api = inspect.signature(engine.generate).parameters
-    if "prompts" in api:  # 04 on: every prompt in one continuous batch
+    if has(folder, "batching"):  # 04 on: every prompt in one continuous batch
         return engine.generate(prompts, params)
-    if "request_id" in api:  # 02 and 03: a generator of outputs per request
+    if has(folder, "streaming"):  # 02 and 03: a generator of outputs per request
         return [[t for output in engine.generate(f"all-{i}", ids, params) for t in output.token_ids]
                 for i, ids in enumerate(prompts)]
     return [engine.generate(ids, params).output_ids for ids in prompts]  # 01: the whole answer
@@ -45,7 +42,7 @@ CASES = [(folder, variant) for folder in STAGES for variant in VARIANTS[folder]]
 # the reference, so a genuine near-tie may flip: accepted only where Hugging Face gives the two tokens
 # logprobs within GPU_MARGIN of each other (vLLM's check_logprobs_close rule), and the comparison stops there.
 GPU_MARGIN = 1e-3  # nats: float32 logits differ by about 1e-5 between the two machines
-GPU_CASES = [pytest.param(folder, {"device": "cuda", **({"kv_cache_mb": 256} if folder[:2] >= "03" else {})},
+GPU_CASES = [pytest.param(folder, {"device": "cuda", **({"kv_cache_mb": 256} if has(folder, "paged_kv") else {})},
                           marks=pytest.mark.cuda, id=f"{folder}-cuda") for folder in STAGES]
 
 

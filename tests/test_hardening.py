@@ -22,7 +22,7 @@ from common.limits import Limits
 from .conftest import make_engine, serve_stage, stage
 from .prompts import TEXT_PROMPTS
 from .servers import LiveServer
-from .stages import FASTAPI_STAGES, stages_with
+from .stages import FASTAPI_STAGES, has, stages_with
 
 MODEL = "smollm2-135m-instruct"
 STAGES = FASTAPI_STAGES
@@ -110,7 +110,7 @@ def test_past_the_request_cap_is_a_503_with_retry_after(folder, engine):
 def inject_fault(monkeypatch, folder: str, engine, error: Exception) -> None:
     """Make the engine raise ``error`` in its work on the poisoned prompt, and only there."""
     poison_ids = engine.encode(POISON)
-    if folder >= "04_continuous_batching":  # the per-sequence work after the batched forward pass
+    if has(folder, "batching"):  # the per-sequence work after the batched forward pass
         append = engine._append
 
         def faulty_append(seq, *args):
@@ -160,13 +160,13 @@ def test_the_engine_itself_refuses_token_ids_outside_the_vocabulary(folder, engi
     invalid = stage(folder, "engine").InvalidRequest
     assert engine.model.config.vocab_size == 49152
     with pytest.raises(invalid, match="outside the vocabulary"):
-        if folder >= "04_continuous_batching":
+        if has(folder, "batching"):
             engine.add_request("bad-ids", bad, params)
         else:
             next(iter(engine.generate("bad-ids", bad, params)))
-    if folder >= "04_continuous_batching":
+    if has(folder, "batching"):
         assert "bad-ids" not in engine.sequences and not engine.scheduler.waiting
-    if folder != "02_streaming":
+    if has(folder, "paged_kv"):
         assert engine.block_manager.num_used == 0
 
 
@@ -182,7 +182,7 @@ def test_a_gpu_error_stops_the_engine_instead_of_failing_every_later_request(mon
         raise torch.AcceleratorError("CUDA error: device-side assert triggered")
 
     with serve_stage(folder, engine) as server:
-        if folder >= "04_continuous_batching":
+        if has(folder, "batching"):
             monkeypatch.setattr(engine.runner, "execute", gpu_error)
         else:
             monkeypatch.setattr(engine, "generate", gpu_error)
@@ -194,7 +194,7 @@ def test_a_gpu_error_stops_the_engine_instead_of_failing_every_later_request(mon
         while httpx.get(f"{server.url}/health", timeout=10).status_code != 503:
             assert time.monotonic() < deadline, "/health still says ok after the GPU failed"
             time.sleep(0.02)
-    if folder != "02_streaming":
+    if has(folder, "paged_kv"):
         assert engine.block_manager.num_used == 0
 
 
@@ -205,7 +205,7 @@ def test_a_dead_engine_thread_turns_health_503_and_requests_fail_fast(monkeypatc
 
     with serve_stage(folder, engine) as server:
         # What the engine thread calls for any request: a step (04), or a whole generation (02, 03).
-        monkeypatch.setattr(engine, "step" if folder >= "04_continuous_batching" else "generate", fatal)
+        monkeypatch.setattr(engine, "step" if has(folder, "batching") else "generate", fatal)
         url = f"{server.url}/v1/completions"
         in_flight = httpx.post(url, json=body(), timeout=30)  # the request that was running when it died
         assert in_flight.status_code == 503 and "EngineStopped" in in_flight.json()["error"]["message"]
@@ -217,7 +217,7 @@ def test_a_dead_engine_thread_turns_health_503_and_requests_fail_fast(monkeypatc
         after = httpx.post(url, json=body(), timeout=30)
         assert after.status_code == 503 and after.json()["error"]["code"] == "engine_stopped"
         assert time.monotonic() - start < 5
-    if folder != "02_streaming":
+    if has(folder, "paged_kv"):
         assert engine.block_manager.num_used == 0  # the dying thread returned every block
 
 

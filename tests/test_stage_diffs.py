@@ -1,52 +1,51 @@
-"""Copy-forward without drift: each stage is the previous one plus one lesson, so a file a stage does not
-change must stay byte-identical to the previous stage's. The manifest below says, per stage, which of
-the previous stage's files its lesson changes; any other difference fails here the day it appears.
-(New files are free: they are the lesson. `diff -ruN PREVIOUS STAGE` shows them all.)"""
+"""Copy-forward without drift: each stage is the previous one plus one lesson, so what a stage's lesson does
+not change must stay as the previous stage has it. tests/stages.py's TABLE says, per stage, which of the
+previous stage's files its lesson changes and, in each, which top-level definitions; any other difference
+fails here the day it appears. (New files are free: they are the lesson. `diff -ruN PREVIOUS STAGE` shows
+them all; `python -m tests.stages --why` lists the definitions that differ, `--write` rewrites TABLE.)
+
+Two checks per stage: a file outside the lesson must be byte-identical; in a file the lesson changes, each
+top-level definition must be as the previous stage has it (compared by ``ast.dump``: every name, value and
+docstring, but no comment or line number) unless the table names it. Definitions are functions, classes
+(as a whole, their docstrings included), module-level variables, the module docstring (``__doc__``), the
+imports (``<imports>``) and any other top-level code (``<statements>``)."""
 
 from __future__ import annotations
 
-import filecmp
 import itertools
 
 import pytest
 
-from .stages import REPO, STAGES
+from .stages import ALWAYS, BY_FOLDER, STAGES, changed_files, files, lesson_changes, stage_folders
 
-# The files each stage changes, relative to the stage before it (the README, EXERCISES.md and the
-# package's own identity, __init__.py and __main__.py, always change).
-ALWAYS = {"README.md", "EXERCISES.md", "__init__.py", "__main__.py"}
-MAY_CHANGE = {
-    "02_streaming": {"engine.py", "sampler.py", "server.py"},  # streaming; the complete OpenAI API
-    "03_paged_kv": {"config.py", "engine.py", "metrics.py", "server.py"},  # the paged KV cache
-    "04_continuous_batching": {"attention.py", "config.py", "engine.py", "metrics.py", "sampler.py", "sequence.py"},
-    # the prefix cache: shared, counted, evictable blocks; a cache hit at admission; what users see of it
-    "05_prefix_cache": {"block_manager.py", "config.py", "engine.py", "metrics.py", "scheduler.py", "sequence.py",
-                        "server.py"},
-    # chunked prefill: a token budget per step, decodes first; one pass for decode rows and prompt chunks
-    "06_chunked_prefill": {"attention.py", "config.py", "engine.py", "model_runner.py", "scheduler.py",
-                           "sequence.py"},
-    # CUDA graphs: decode steps from static buffers in buckets, captured on CUDA; padding rows that do nothing
-    "07_cuda_graphs": {"attention.py", "config.py", "engine.py", "model_runner.py", "triton_attention.py"},
-    # speculative decoding: room for guesses, k + 1 rows a sequence, verification, rejected blocks back, counters
-    "08_speculative": {"block_manager.py", "config.py", "engine.py", "metrics.py", "model_runner.py", "scheduler.py",
-                       "sequence.py", "server.py"},
-    # tensor parallelism: parallel layers loading their slices, ranks started and stopped, steps broadcast
-    "09_tensor_parallel": {"config.py", "engine.py", "model.py", "model_runner.py"},
-}
+PAIRS = list(itertools.pairwise(STAGES))
 
 
-def files(folder: str) -> set[str]:
-    return {p.name for p in (REPO / folder).iterdir() if p.is_file() and p.suffix in (".py", ".md")}
+def test_the_table_lists_every_stage_folder():
+    assert STAGES == stage_folders(), "add each stage folder, in course order, to TABLE in tests/stages.py"
 
 
-@pytest.mark.parametrize(("previous", "current"), list(itertools.pairwise(STAGES)), ids=STAGES[1:])
+@pytest.mark.parametrize(("previous", "current"), PAIRS, ids=STAGES[1:])
 def test_a_stage_changes_only_its_lesson_files(previous, current):
-    assert current in MAY_CHANGE, f"add {current} to MAY_CHANGE in this file"
-    allowed = ALWAYS | MAY_CHANGE[current]
-    shared = files(previous) & files(current)
-    changed = {name for name in shared if not filecmp.cmp(REPO / previous / name, REPO / current / name, shallow=False)}
-    assert changed - allowed == set(), (
+    lesson = set(BY_FOLDER[current].changes)
+    changed = changed_files(previous, current)
+    assert changed - ALWAYS - lesson == set(), (
         f"{current} differs from {previous} in files its lesson does not change; copy them forward unchanged "
-        f"(or, if the lesson needs it, add them to MAY_CHANGE)")
+        f"(or, if the lesson needs it, add them to {current}'s changes in tests/stages.py)")
     assert files(previous) <= files(current), f"{current} dropped {sorted(files(previous) - files(current))}"
-    assert MAY_CHANGE[current] <= changed, f"{sorted(MAY_CHANGE[current] - changed)} no longer differ: tidy MAY_CHANGE"
+    assert lesson <= changed, f"{sorted(lesson - changed)} no longer differ: tidy {current}'s changes"
+
+
+@pytest.mark.parametrize(("previous", "current"), PAIRS, ids=STAGES[1:])
+def test_a_stage_changes_only_its_lesson_definitions(previous, current):
+    allowed = BY_FOLDER[current].may_change
+    actual = {f"{file}:{name}": how for file, changed in lesson_changes(previous, current).items()
+              for name, how in changed.items()}
+    unlisted = {name: how for name, how in actual.items() if name not in allowed}
+    assert not unlisted, (
+        f"{current} changes definitions of {previous} that its lesson does not list:\n"
+        + "\n".join(f"  {name}: {how}" for name, how in sorted(unlisted.items()))
+        + f"\ncopy them forward unchanged (or, if the lesson needs it, add them to {current}'s changes in "
+          "tests/stages.py: `python -m tests.stages --write`)")
+    stale = sorted(allowed - actual.keys())
+    assert not stale, f"{current}: {stale} no longer differ from {previous}: tidy its changes (`--write`)"
