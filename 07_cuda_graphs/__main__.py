@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from common.cli import DEMO_PROMPTS, config_from_args, served_name, stage_parser
-from common.decode_steps import decode_step, time_ms
 from common.device import DeviceUnavailable
 from common.limits import Limits, add_limit_args
 from common.trace import Tracer, add_trace_args
@@ -14,6 +13,7 @@ from .config import EngineConfig
 from .engine import AsyncEngine, Engine
 from .model_runner import StepInput
 from .sampler import SamplingParams
+from .step_bench import decode_step, time_ms
 
 
 def demo(engine: Engine, max_tokens: int) -> None:

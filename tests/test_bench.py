@@ -17,7 +17,7 @@ import pytest
 from common import bench, loadgen, plots
 from common.loadgen import InFlight, LevelResult, RequestRecord
 
-from .conftest import REPO
+from .conftest import REPO, stage
 
 MODEL = "smollm2-135m-instruct"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -298,12 +298,11 @@ def test_bench_shared_prefix_against_a_running_server_by_url(server02, tmp_path)
     assert level["prefix_cache_hit_rate"] is None  # stage 02 has no prefix cache, so no counters
 
 
-# --- speculative decoding's benchmark (common.spec_bench) ------------------------------------------------------
+# --- speculative decoding's benchmark (08_speculative/spec_bench.py) -------------------------------------------
 
 
 def test_spec_bench_compares_every_configuration_with_stage_07_at_the_same_level_and_workload(tmp_path):
-    from common import spec_bench
-
+    spec_bench = stage("08_speculative", "spec_bench")
     configs = spec_bench.configurations([2, 4], ["ngram", "draft"])
     assert [label for label, _, _ in configs] == ["07", "08 ngram k=2", "08 ngram k=4", "08 draft k=2", "08 draft k=4"]
     assert configs[2][2] == ["--speculative", "ngram", "--num-speculative-tokens", "4"]
@@ -317,3 +316,12 @@ def test_spec_bench_compares_every_configuration_with_stage_07_at_the_same_level
         r["acceptance_rate"] = r["mean_accepted_length"] = None
     spec_bench.plot({"workloads": {"chat": [], "extractive": []}, "levels": [1, 4], "runs": runs}, tmp_path / "s.png")
     assert (tmp_path / "s.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_a_later_stages_copy_of_a_benchmark_measures_that_stage():
+    """The benchmarks sit in the stage they measure and are copied forward unchanged: each finds its stage from
+    its package, so stage 09's copy of spec_bench compares stage 09 with stage 07."""
+    configs = stage("09_tensor_parallel", "spec_bench").configurations([4], ["ngram"])
+    assert configs == [("07", "07", []),
+                       ("09 ngram k=4", "09", ["--speculative", "ngram", "--num-speculative-tokens", "4"])]
+    assert stage("09_tensor_parallel", "tp_bench").STAGE == "09_tensor_parallel"

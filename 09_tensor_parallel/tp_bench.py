@@ -1,7 +1,7 @@
 """Stage 09 measured: the step time and the time in collectives at N = 1, 2 and 3 ranks, and memory per rank.
 
-    python -m common.tp_bench             # writes results/cpu/09_tensor_parallel.json (a few minutes)
-    python -m common.tp_bench --quick     # fewer repeats and sizes, into results/quick/ (CI)
+    python -m 09_tensor_parallel.tp_bench             # writes results/cpu/09_tensor_parallel.json (a few minutes)
+    python -m 09_tensor_parallel.tp_bench --quick     # fewer repeats and sizes, into results/quick/ (CI)
 
 Two models. SmolLM2-135M itself splits only 1 or 3 ways (9 query heads, 3 KV heads), so beside it runs a
 random-weight *twin* with its hidden size, layers, MLP and vocabulary but 12 query heads of 48 dimensions
@@ -18,7 +18,6 @@ processes time all-reduces alone, the latency the README's model uses.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import statistics
@@ -28,11 +27,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .bench import RESULTS, git_state, machine_info
-from .net import free_port
-from .weights import DEFAULT_MODEL, resolve_model
+from common.bench import RESULTS, git_state, machine_info
+from common.net import free_port
+from common.weights import DEFAULT_MODEL, resolve_model
 
-STAGE = "09_tensor_parallel"
+STAGE = __package__  # this stage's folder, 09_tensor_parallel (or a later stage's, in its copy)
 CONTEXT = 256  # tokens of context of each decoding sequence, and of the prefill
 COLLECTIVES = ("all_reduce", "gather", "broadcast_object_list")
 TWIN = {"num_attention_heads": 12, "num_key_value_heads": 6, "head_dim": 48}  # SmolLM2's shapes otherwise
@@ -106,37 +105,37 @@ class CollectiveClock:
             setattr(self.dist, name, original)
 
 
-def decode_step(runner_module: Any, batch: int, block_size: int) -> Any:
+def decode_step(step_input: type, batch: int, block_size: int) -> Any:
     """``batch`` sequences of CONTEXT tokens each, every one decoding its next token, in blocks of its own."""
     blocks_each = -(-CONTEXT // block_size)
     tables = [list(range(i * blocks_each, (i + 1) * blocks_each)) for i in range(batch)]
     position = CONTEXT - 1
     slots = [table[position // block_size] * block_size + position % block_size for table in tables]
-    return runner_module.StepInput([17] * batch, [position] * batch, slots, list(range(batch + 1)), [CONTEXT] * batch,
-                                   tables, list(range(batch)), [], [0] * batch)
+    return step_input([17] * batch, [position] * batch, slots, list(range(batch + 1)), [CONTEXT] * batch, tables,
+                      list(range(batch)), [], [0] * batch)
 
 
-def prefill_step(runner_module: Any, block_size: int) -> Any:
+def prefill_step(step_input: type, block_size: int) -> Any:
     table = list(range(-(-CONTEXT // block_size)))
     slots = [table[i // block_size] * block_size + i % block_size for i in range(CONTEXT)]
-    return runner_module.StepInput([(7 * i) % 1000 for i in range(CONTEXT)], list(range(CONTEXT)), slots,
-                                   [0, CONTEXT], [CONTEXT], [table], [CONTEXT - 1], [], [0])
+    return step_input([(7 * i) % 1000 for i in range(CONTEXT)], list(range(CONTEXT)), slots, [0, CONTEXT], [CONTEXT],
+                      [table], [CONTEXT - 1], [], [0])
 
 
 def measure_engine(model: Path, size: int, repeats: int, batches: list[int]) -> dict[str, Any]:
     """Memory per rank and, per kind of step, its median time and rank 0's time in collectives."""
-    config_module = importlib.import_module(f"{STAGE}.config")
     import torch
 
-    engine_module = importlib.import_module(f"{STAGE}.engine")
-    runner_module = importlib.import_module(f"{STAGE}.model_runner")
-    engine = engine_module.Engine(config_module.EngineConfig(
-        model=str(model), device="cpu", dtype="float32", kv_cache_mb=512, max_num_seqs=max(batches),
-        tensor_parallel_size=size, speculative="off"))
+    from .config import EngineConfig
+    from .engine import Engine
+    from .model_runner import StepInput
+
+    engine = Engine(EngineConfig(model=str(model), device="cpu", dtype="float32", kv_cache_mb=512,
+                                 max_num_seqs=max(batches), tensor_parallel_size=size, speculative="off"))
     clock = CollectiveClock() if size > 1 else None
     try:
-        steps = {f"decode {b}": decode_step(runner_module, b, engine.config.block_size) for b in batches}
-        steps[f"prefill {CONTEXT}"] = prefill_step(runner_module, engine.config.block_size)
+        steps = {f"decode {b}": decode_step(StepInput, b, engine.config.block_size) for b in batches}
+        steps[f"prefill {CONTEXT}"] = prefill_step(StepInput, engine.config.block_size)
         result: dict[str, Any] = {
             "weights_mib": engine.model.num_weight_bytes / 2**20,
             "kv_bytes_per_token": engine.kv_cache.shape.bytes_per_token,
@@ -202,7 +201,7 @@ def all_reduce_latency(size: int, hidden: int, tokens: list[int]) -> dict[str, f
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m common.tp_bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog=f"python -m {STAGE}.tp_bench", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 repeats, batch 1 only, into results/quick/")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", type=Path, help="folder for the JSON (default results/cpu/)")

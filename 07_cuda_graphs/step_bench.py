@@ -1,8 +1,10 @@
 """The decode step alone, timed against batch size: eager (every operator launched by Python) against the
 static buffers of stage 07 (a replayed CUDA graph on a GPU, the same computation eagerly on a CPU).
 
-    python -m common.decode_steps                       # stage 07 on this machine's default device
-    python -m common.decode_steps --device cuda --profile
+    python -m 07_cuda_graphs.step_bench                       # on this machine's default device
+    python -m 07_cuda_graphs.step_bench --device cuda --profile
+
+It measures the stage it sits in (a later stage's copy, ``python -m NN_name.step_bench``, measures that stage).
 
 Each step decodes one token for ``batch_size`` sequences of ``context`` tokens; it writes no K/V (slot -1)
 and reads block 0 over and over, so it has a real step's shape and needs no requests. For each batch size
@@ -14,7 +16,6 @@ many operators it runs, and how much of its time is inside them against outside 
 from __future__ import annotations
 
 import argparse
-import importlib
 import shlex
 import statistics
 import sys
@@ -25,9 +26,14 @@ from typing import Any
 
 import torch
 
-from common.bench import RESULTS, device_and_dtype, dumps, git_state, machine_info, stage_folder
+from common.bench import RESULTS, device_and_dtype, dumps, git_state, machine_info
 from common.weights import DEFAULT_MODEL
 
+from .config import EngineConfig
+from .engine import Engine
+from .model_runner import StepInput
+
+STAGE = __package__  # this stage's folder, 07_cuda_graphs (or a later stage's, in its copy)
 BATCH_SIZES = [1, 2, 4, 8, 16, 17, 32, 48, 64]
 
 
@@ -40,6 +46,11 @@ def decode_step(step_input: type, batch_size: int, context: int, block_size: int
                       seq_lens=[context] * batch_size, block_tables=[table] * batch_size,
                       logits_indices=list(range(batch_size)), prompt_logits_indices=[],
                       num_prompt_logits=[0] * batch_size)
+
+
+def bucket_of(batch_size: int, sizes: list[int]) -> int | None:
+    """The bucket a decode step of ``batch_size`` sequences pads to: the smallest size that holds it, else None."""
+    return next((size for size in sizes if size >= batch_size), None)
 
 
 def time_ms(run: Callable[[], Any], device: torch.device, repeats: int) -> float:
@@ -89,8 +100,7 @@ def profile_step(run: Callable[[], Any], device: torch.device) -> dict[str, Any]
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m common.decode_steps", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--stage", default="07")
+    parser = argparse.ArgumentParser(prog=f"python -m {STAGE}.step_bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -101,26 +111,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--name", help="the result file's name (default: NN_name_decode_steps)")
     args = parser.parse_args(argv)
     device, dtype = device_and_dtype(args.device, args.dtype)
-    folder = stage_folder(args.stage)
-    config = importlib.import_module(f"{folder}.config").EngineConfig
-    engine = importlib.import_module(f"{folder}.engine").Engine(
-        config(model=args.model, device=device, dtype=dtype, max_num_seqs=max(args.batch_sizes)))
-    runner, step_input = engine.runner, importlib.import_module(f"{folder}.model_runner").StepInput
+    engine = Engine(EngineConfig(model=args.model, device=device, dtype=dtype, max_num_seqs=max(args.batch_sizes)))
+    runner, graphs = engine.runner, engine.capture_seconds is not None
     block_size = engine.kv_cache.shape.block_size
     rows, profiles = [], {}
     with torch.inference_mode():
         for batch_size in args.batch_sizes:
-            step = decode_step(step_input, batch_size, args.context, block_size)
-            bucket = runner.bucket(step)
+            step = decode_step(StepInput, batch_size, args.context, block_size)
+            bucket = bucket_of(batch_size, runner.sizes)
             eager = time_ms(lambda: runner.run_eager(step), engine.device, args.repeats)  # noqa: B023 (called now)
             static = time_ms(lambda: runner.execute(step), engine.device, args.repeats)  # noqa: B023 (the logits too)
             rows.append({"batch_size": batch_size, "bucket": bucket, "eager_ms": eager, "static_ms": static,
-                         "graphs": bool(runner.graphs)})
+                         "graphs": graphs})
             print(f"batch {batch_size:3d} (bucket {bucket:3d}): eager {eager:8.2f} ms, static "
-                  f"{'(graph) ' if runner.graphs else ''}{static:8.2f} ms", flush=True)
+                  f"{'(graph) ' if graphs else ''}{static:8.2f} ms", flush=True)
         if args.profile:
             for batch_size in (min(args.batch_sizes), max(args.batch_sizes)):
-                step = decode_step(step_input, batch_size, args.context, block_size)
+                step = decode_step(StepInput, batch_size, args.context, block_size)
                 profiles[f"eager_{batch_size}"] = profile_step(lambda: runner.run_eager(step), engine.device)  # noqa: B023
                 profiles[f"static_{batch_size}"] = profile_step(lambda: runner.execute(step),  # noqa: B023
                                                                 engine.device)
@@ -128,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
                     p = profiles[key]
                     print(f"{key}: {p['aten_calls']} aten calls, {p['aten_self_cpu_ms']:.1f} ms inside them of "
                           f"{p['wall_ms_under_profiler']:.1f} ms (under the profiler)", flush=True)
-    result = {"name": args.name or f"{folder}_decode_steps", "stage": folder, "device": device, "dtype": dtype,
+    result = {"name": args.name or f"{STAGE}_decode_steps", "stage": STAGE, "device": device, "dtype": dtype,
               "context": args.context, "capture_seconds": engine.capture_seconds,
               "graph_memory_bytes": engine.graph_memory_bytes, "buckets": runner.sizes,
               "machine": machine_info(device), "command": shlex.join(sys.orig_argv), **git_state(),

@@ -1,7 +1,10 @@
 """The CPU's counterpart of a CUDA graph, tried: stage 07's decode step under ``torch.compile`` (inductor's
 C++ backend) against the same step eager, at a few bucket sizes.
 
-    python -m common.compile_steps          # -> results/cpu/07_cuda_graphs_compile.json
+    python -m 07_cuda_graphs.compile_bench          # -> results/cpu/07_cuda_graphs_compile.json
+
+(A later stage's copy, ``python -m NN_name.compile_bench``, compiles that stage's step, into
+``results/cpu/NN_name_compile.json``.)
 
 Each way compiles the step once per bucket (``dynamic=False``: one graph per shape, as with CUDA graphs):
 
@@ -13,7 +16,7 @@ Each way compiles the step once per bucket (``dynamic=False``: one graph per sha
   attention an external call in it (vLLM compiles around its attention the same way).
 - ``freezing``: the same, with inductor's freezing: the weights become constants, prepacked for oneDNN.
 
-For each: the step's median time against eager (logits included, as in ``common.decode_steps``), the
+For each: the step's median time against eager (logits included, as in ``step_bench``), the
 first call's time (tracing and compiling: what start-up would pay per bucket), and how far the hidden
 states move from eager's (fusing the small operators changes the order of some float32 sums).
 """
@@ -21,7 +24,6 @@ states move from eager's (fusing the small operators changes the order of some f
 from __future__ import annotations
 
 import argparse
-import importlib
 import shlex
 import sys
 import time
@@ -31,17 +33,21 @@ from typing import Any
 import torch
 
 from common.bench import RESULTS, dumps, git_state, machine_info
-from common.decode_steps import decode_step, time_ms
 from common.weights import DEFAULT_MODEL
 
-FOLDER = "07_cuda_graphs"
+from . import attention
+from .config import EngineConfig
+from .engine import Engine
+from .model_runner import StepInput
+from .step_bench import bucket_of, decode_step, time_ms
+
+FOLDER = __package__  # this stage's folder, 07_cuda_graphs (or a later stage's, in its copy)
 MODES = ["plain", "opaque_attention", "freezing"]
 
 
 def make_attention_opaque() -> None:
-    """Register stage 07's reference K/V write and decode attention as custom operators, and put them where
+    """Register the stage's reference K/V write and decode attention as custom operators, and put them where
     ``paged_attention`` looks them up: dynamo then treats each as one call with a known output shape."""
-    attention = importlib.import_module(f"{FOLDER}.attention")
     write_kv, decode = attention.write_kv, attention.decode_attention_reference
 
     @torch.library.custom_op("course::decode_attention", mutates_args=())
@@ -77,7 +83,7 @@ def measure(engine: Any, step_input: type, mode: str, batch_sizes: list[int], co
     rows = []
     for batch_size in batch_sizes:
         step = decode_step(step_input, batch_size, context, engine.kv_cache.shape.block_size)
-        size = runner.bucket(step)
+        size = bucket_of(batch_size, runner.sizes)
         eager_ms = time_ms(lambda: runner.execute(step), device, repeats)  # noqa: B023 (called now)
         runner.buffers.load(step, size)
         start = time.perf_counter()
@@ -104,23 +110,20 @@ def measure(engine: Any, step_input: type, mode: str, batch_sizes: list[int], co
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m common.compile_steps", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=f"python -m {FOLDER}.compile_bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=MODES)
     args = parser.parse_args(argv)
-    config = importlib.import_module(f"{FOLDER}.config").EngineConfig
-    engine = importlib.import_module(f"{FOLDER}.engine").Engine(
-        config(model=args.model, device="cpu", dtype="float32", max_num_seqs=max(args.batch_sizes)))
-    step_input = importlib.import_module(f"{FOLDER}.model_runner").StepInput
+    engine = Engine(EngineConfig(model=args.model, device="cpu", dtype="float32", max_num_seqs=max(args.batch_sizes)))
     rows: list[dict[str, Any]] = []
     with torch.inference_mode():
         for mode in [mode for mode in MODES if mode in args.modes]:  # plain first: the others patch attention
             if mode == "opaque_attention" or (mode == "freezing" and "opaque_attention" not in args.modes):
                 make_attention_opaque()
-            rows += measure(engine, step_input, mode, args.batch_sizes, args.context, args.repeats)
+            rows += measure(engine, StepInput, mode, args.batch_sizes, args.context, args.repeats)
     result = {"name": f"{FOLDER}_compile", "stage": FOLDER, "device": "cpu", "dtype": "float32",
               "context": args.context, "machine": machine_info("cpu"), "command": shlex.join(sys.orig_argv),
               **git_state(), "date": datetime.now(UTC).isoformat(timespec="seconds"), "steps": rows}

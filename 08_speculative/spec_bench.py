@@ -1,7 +1,10 @@
 """Speculative decoding's benchmark: stage 08 against stage 07, per proposer, k and concurrency, on two workloads.
 
-    python -m common.spec_bench                 # the full run: results/<device>/08_speculative.json + .png
-    python -m common.spec_bench --quick         # a short check: results/quick/
+    python -m 08_speculative.spec_bench                 # the full run: results/<device>/08_speculative.json + .png
+    python -m 08_speculative.spec_bench --quick         # a short check: results/quick/
+
+A later stage's copy (``python -m NN_name.spec_bench``) measures that stage against stage 07 instead, into
+``NN_speculative.json``.
 
 Two workloads of chat requests (greedy, up to 128 tokens, ending at EOS: every configuration produces the
 same tokens, so the same work):
@@ -33,9 +36,13 @@ from typing import Any
 import httpx
 from transformers import AutoTokenizer
 
-from .bench import RESULTS, free_port, git_state, machine_info, stage_command, stage_server
-from .loadgen import Workload, run_level, warm_up
-from .weights import DEFAULT_MODEL, resolve_model
+from common.bench import RESULTS, git_state, machine_info, stage_command, stage_server
+from common.loadgen import Workload, run_level, warm_up
+from common.net import free_port
+from common.weights import DEFAULT_MODEL, resolve_model
+
+STAGE = __package__  # this stage's folder, 08_speculative (or a later stage's, in its copy)
+NUMBER = STAGE[:2]  # "08": the stage measured against stage 07, its label and its result files' prefix
 
 CODE_AREA = '''def area(width, height):
     """The area of a rectangle."""
@@ -83,11 +90,11 @@ KS = [2, 4, 8]
 
 
 def configurations(ks: list[int], proposers: list[str]) -> list[tuple[str, str, list[str]]]:
-    """(label, stage, its extra server flags): stage 07, then stage 08 with each proposer and k."""
+    """(label, stage, its extra server flags): stage 07, then this stage with each proposer and k."""
     configs = [("07", "07", [])]
     for proposer in proposers:
-        configs += [(f"08 {proposer} k={k}", "08", ["--speculative", proposer, "--num-speculative-tokens", str(k)])
-                    for k in ks]
+        configs += [(f"{NUMBER} {proposer} k={k}", NUMBER,
+                     ["--speculative", proposer, "--num-speculative-tokens", str(k)]) for k in ks]
     return configs
 
 
@@ -99,7 +106,7 @@ def chat_prompts(model: str, questions: list[str]) -> list[str]:
 
 
 def speculation(url: str) -> dict[str, int]:
-    """Stage 08's counters since start-up (zeros for a stage without speculation)."""
+    """The speculation counters since start-up (zeros for a stage without speculation)."""
     health = httpx.get(f"{url}/health", timeout=10).json()
     return health.get("speculation", {"proposed": 0, "accepted": 0, "runs": 0})
 
@@ -154,34 +161,35 @@ def plot(result: dict[str, Any], out: Path) -> None:
 
 
 def alternating_rounds(model: str, rounds: int, k: int = 4) -> dict[str, Any]:
-    """Concurrency 1 without the server, in one process: stage 08's engine with guesses off (stage 07's decoding)
+    """Concurrency 1 without the server, in one process: this stage's engine with guesses off (stage 07's decoding)
     and on (n-gram, k), alternating ``rounds`` times per workload, so that a drift of the machine's speed hits both
     alike. Each round generates every prompt of the workload once, one at a time."""
-    import importlib
     import time
 
-    Engine = importlib.import_module("08_speculative.engine").Engine
-    EngineConfig = importlib.import_module("08_speculative.config").EngineConfig
-    SamplingParams = importlib.import_module("08_speculative.sampler").SamplingParams
+    from .config import EngineConfig
+    from .engine import Engine
+    from .sampler import SamplingParams
+
     engine = Engine(EngineConfig(model=model, device="cpu", dtype="float32", speculative="ngram",
                                  num_speculative_tokens=k))
+    generate = getattr(engine, "generate_offline", None) or engine.generate
     ngram, params = engine.proposer, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     rates: dict[str, dict[str, list[float]]] = {}
     for workload, questions in WORKLOADS.items():
         prompts = [engine.encode_chat([{"role": "user", "content": q}]) for q in questions]
-        engine.generate(prompts[:1], params)  # warm-up
+        generate(prompts[:1], params)  # warm-up
         for _ in range(rounds):
             for label, proposer in (("off", None), (f"ngram k={k}", ngram)):
                 engine.proposer = proposer
                 started = time.perf_counter()
-                tokens = sum(len(engine.generate([prompt], params)[0]) for prompt in prompts)
+                tokens = sum(len(generate([prompt], params)[0]) for prompt in prompts)
                 rates.setdefault(workload, {}).setdefault(label, []).append(tokens / (time.perf_counter() - started))
                 print(f"{workload} {label}: {rates[workload][label][-1]:.1f} tokens/s", flush=True)
     return rates
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m common.spec_bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=f"python -m {STAGE}.spec_bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -190,7 +198,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="folder for the JSON and PNG (default: results/<device>/)")
     parser.add_argument("--alternating-rounds", type=int, metavar="N",
                         help="instead: concurrency 1 in one process, guesses off and on alternating N times per "
-                             "workload -> 08_speculative_alternating.json")
+                             f"workload -> {NUMBER}_speculative_alternating.json")
     return parser.parse_args(argv)
 
 
@@ -201,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if args.alternating_rounds:
         rates = alternating_rounds(args.model, args.alternating_rounds)
-        path = out / "08_speculative_alternating.json"
+        path = out / f"{NUMBER}_speculative_alternating.json"
         path.write_text(json.dumps({"date": datetime.now(UTC).isoformat(timespec="seconds"),
                                     "machine": machine_info("cpu"), "git": git_state(), "max_tokens": MAX_TOKENS,
                                     "workloads": WORKLOADS, "output_tokens_per_s": rates}, indent=1) + "\n")
@@ -234,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": machine_info(args.device),
               "git": git_state(), "dtype": args.dtype, "levels": levels,
               "max_tokens": MAX_TOKENS, "requests_per_level": args.requests, "workloads": WORKLOADS, "runs": runs}
-    path = out / "08_speculative.json"
+    path = out / f"{NUMBER}_speculative.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     plot(result, path.with_suffix(".png"))
     print(f"\n{'config':<16} {'workload':<11} {'c':>3} {'tok/s':>7} {'x 07':>6} {'accept':>7} {'len':>5}")
