@@ -9,8 +9,9 @@ from common.device import DeviceUnavailable
 from common.limits import Limits, add_limit_args
 from common.trace import Tracer, add_trace_args
 
+from .async_engine import AsyncEngine
 from .config import EngineConfig
-from .engine import AsyncEngine, Engine
+from .engine import Engine
 from .sampler import SamplingParams
 
 

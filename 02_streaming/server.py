@@ -48,8 +48,9 @@ from common.protocol import (
 from common.trace import NO_TRACE, RequestTrace, Tracer
 
 from . import TITLE
+from .async_engine import AsyncEngine
 from .detokenizer import IncrementalDetokenizer
-from .engine import AsyncEngine, EngineStopped, InvalidRequest
+from .engine import EngineStopped, InvalidRequest
 from .sampler import SamplingParams
 from .sequence import RequestOutput
 

@@ -1,6 +1,6 @@
 """Paged attention: one interface, two implementations.
 
-Keys and values no longer live in one tensor per request. Each layer has a pool of fixed-size
+Keys and values do not live in one tensor per request: each layer has a pool of fixed-size
 blocks, ``[num_blocks, block_size, num_kv_heads, head_dim]`` for K and the same for V, and a
 sequence's tokens are scattered over the blocks its *block table* lists::
 
@@ -9,8 +9,9 @@ sequence's tokens are scattered over the blocks its *block table* lists::
 
 Every step has one shape, *extend*: each sequence adds ``query_len`` new tokens to the
 ``seq_len - query_len`` it already has in the cache. A prompt's prefill is (0 cached, n new), a decode
-step (L, 1); later stages add a prefix-cache hit (h, n - h), a prefill chunk (c, m) and a speculative
-check (L, k + 1), all without a new kind of attention. Attention therefore does three things:
+step (L, 1); the same shape holds a prompt whose first h tokens are cached (h, n - h), a prefill chunk
+(c, m) and a speculative check (L, k + 1), with no new kind of attention. Attention therefore does
+three things:
 
 1. ``write_kv``: store this step's new K and V in their slots (the *slot mapping* lists them; a slot
    of -1 means "write nothing", for rows that are only padding).

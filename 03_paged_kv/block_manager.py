@@ -18,6 +18,14 @@ class NoFreeBlocks(RuntimeError):
     """The pool has no block left to give."""
 
 
+def token_slots(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:
+    """The cache slot of each token position in ``[start, end)``: block id * block_size + offset. (A function,
+    not a method: the model runner needs only the block size to place tokens, never the pool itself.)"""
+    ### BEGIN SOLUTION 3.2
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+    ### END SOLUTION
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         assert num_blocks > 0 and block_size > 0
@@ -60,8 +68,3 @@ class BlockManager:
         block_table.clear()
         assert self.num_free <= self.num_blocks, "a block was freed twice"
 
-    def slot_mapping(self, block_table: list[int], start: int, end: int) -> list[int]:
-        """The cache slot of each token position in ``[start, end)``: block id * block_size + offset."""
-        ### BEGIN SOLUTION 3.2
-        return [block_table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end)]
-        ### END SOLUTION

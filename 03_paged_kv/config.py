@@ -19,7 +19,7 @@ class EngineConfig:
     device: str = field(default="auto", metadata={"help": "auto picks CUDA when present", "choices": DEVICES})
     dtype: str = field(default="auto", metadata={"help": "auto is float32 on CPU, bfloat16 on CUDA",
                                                  "choices": DTYPES})
-    # Stage 03: the paged KV cache.
+    # The paged KV cache.
     kv_cache_mb: int = field(default=0, metadata={
         "help": "KV-cache pool size in MiB; 0 is 512 on a CPU and, on CUDA, what the card has left"})
     gpu_memory_utilization: float = field(

@@ -10,14 +10,8 @@ will use that to batch them.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import queue
-import threading
-import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import closing
-from dataclasses import dataclass
+from collections.abc import Iterator
 
 import torch
 from transformers import AutoTokenizer
@@ -27,14 +21,14 @@ from common.trace import RequestTrace
 from common.weights import resolve_model
 
 from .attention import AttentionMetadata, use_triton
-from .block_manager import BlockManager
+from .block_manager import BlockManager, token_slots
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache import KVCache, budget_bytes
-from .metrics import Metrics
 from .model import LlamaForCausalLM
 from .sampler import SamplingParams, compute_logprobs, make_generator, sample
-from .sequence import Request, RequestOutput
+from .sequence import RequestOutput
+from .stats import KVBlockStats
 
 log = logging.getLogger("llm-course")
 
@@ -47,23 +41,6 @@ class InvalidRequest(ValueError):
 
 class EngineStopped(RuntimeError):
     """The engine thread has exited: nothing it held or was sent will ever be served."""
-
-
-@dataclass(frozen=True)
-class KVBlockStats:
-    total: int
-    used: int
-    free: int
-    block_size: int
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """The engine's load at one moment (``/health`` and ``/metrics`` read it)."""
-
-    running: int
-    waiting: int
-    kv_blocks: KVBlockStats
 
 
 class Engine:
@@ -129,7 +106,8 @@ class Engine:
         in the cache already; write their K/V to the pool and return their hidden states."""
         end = start + len(token_ids)
         self.block_manager.grow(block_table, end)  # a new block only when the last one is full
-        return self._run(token_ids, start, block_table, self.block_manager.slot_mapping(block_table, start, end))
+        slots = token_slots(block_table, self.block_manager.block_size, start, end)
+        return self._run(token_ids, start, block_table, slots)
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -225,154 +203,3 @@ class Engine:
                     logits = self.decode_one_token(token_id, position, block_table)
         finally:
             self.block_manager.free(block_table)
-
-
-class AsyncEngine:
-    """Runs ``Engine.generate`` on one thread, first come first served, for an asyncio server."""
-
-    def __init__(self, engine: Engine, metrics: Metrics | None = None) -> None:
-        self._engine = engine
-        # What the server may read from any thread: fixed at start-up.
-        self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.max_model_len
-        self.metrics = metrics or Metrics()
-        self.kv_capacity_tokens = engine.kv_capacity_tokens
-        self._kv_blocks = engine.kv_blocks()  # replaced by the engine thread, which alone changes the pool
-        self.metrics.watch(self.stats)
-        self._inbox: queue.Queue[Request | None] = queue.Queue()  # None asks the thread to exit
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
-        self._lock = threading.Lock()  # guards request.state moves between the two threads
-        self._stopped = False  # set under the lock when the thread exits: submitting then fails fast
-        self._next_id = 0
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._inbox.put(None)
-        self._thread.join(timeout=10)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def stats(self) -> EngineStats:
-        """Requests being generated for and requests queued, as the gauges count them (both threads move
-        them, under the lock)."""
-        value = self.metrics.registry.get_sample_value
-        return EngineStats(int(value("llm_requests_running")), int(value("llm_requests_waiting")), self._kv_blocks)
-
-    def encode(self, prompt: str) -> list[int]:
-        return self._engine.encode(prompt)
-
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return self._engine.encode_chat(messages)
-
-    # --- the HTTP side (asyncio) ----------------------------------------------------------
-    async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       trace: RequestTrace | None = None) -> AsyncIterator[RequestOutput]:
-        """Queue a request and yield its outputs as the engine thread produces them.
-
-        A failure arrives as an output with ``error`` set (the last one). If the consumer stops early
-        (the client disconnected, the task was cancelled), the ``finally`` marks the request aborted
-        and the engine thread drops it at its next step.
-        """
-        self._next_id += 1
-        request = Request(f"req-{self._next_id}", prompt_ids, params, loop=asyncio.get_running_loop(),
-                          trace=trace or RequestTrace())
-        with self._lock:
-            stopped = self._stopped
-            if not stopped:
-                self.metrics.waiting.inc()
-                self._inbox.put(request)
-        if stopped:
-            yield RequestOutput.failed(request.request_id, EngineStopped("the engine has stopped"), len(prompt_ids))
-            return
-        try:
-            while True:
-                output = await request.outputs.get()
-                yield output
-                if output.finished:
-                    return
-        finally:
-            self._abort(request)
-
-    def _abort(self, request: Request) -> None:
-        """Forget a request: at once if it still waits, at the engine's next step if it runs."""
-        ### BEGIN SOLUTION 2.3
-        with self._lock:
-            if request.state == "waiting":
-                self.metrics.waiting.dec()
-            if request.state != "finished":
-                request.state = "aborted"
-        ### END SOLUTION
-
-    # --- the engine thread ----------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            self._serve_in_order()
-        except EngineStopped as exc:  # the engine cannot go on (the GPU failed): stop serving, and say why
-            log.error("%s", exc)
-        finally:  # a normal stop, or a bug that killed the thread: fail whatever is left at once
-            with self._lock:
-                self._stopped = True
-            while not self._inbox.empty():
-                if (request := self._inbox.get()) is not None and request.state == "waiting":
-                    self._fail(request, EngineStopped("the engine stopped before serving this request"))
-
-    def _serve_in_order(self) -> None:
-        while (request := self._inbox.get()) is not None:
-            with self._lock:
-                if request.state == "aborted":  # its client left while it waited
-                    continue
-                request.state = "running"
-                self.metrics.waiting.dec()
-                self.metrics.running.inc()
-            started = time.perf_counter()
-            try:
-                self._serve(request)
-            except torch.AcceleratorError as exc:  # a CUDA error is sticky: every later request would fail too
-                self._fail(request, EngineStopped(f"the GPU failed: {exc}"))
-                raise EngineStopped(f"the GPU failed: {exc}") from exc
-            except Exception as exc:  # fail this request, keep serving the others
-                self._fail(request, exc)
-            except BaseException:  # the thread itself is going down: say so, then go
-                self._fail(request, EngineStopped("the engine stopped while serving this request"))
-                raise
-            finally:
-                self.metrics.engine_busy.inc(time.perf_counter() - started)  # its rate: the busy fraction
-                self._kv_blocks = self._engine.kv_blocks()  # its blocks are back in the pool
-                with self._lock:
-                    if request.state == "running":
-                        request.state = "finished"
-                    self.metrics.running.dec()
-
-    def _serve(self, request: Request) -> None:
-        self.metrics.prompt_tokens.inc(len(request.prompt_ids))
-        last_token_time = request.arrival_time
-        # closing(): leaving early (an abort) closes the generator at once, so its blocks return now.
-        outputs = self._engine.generate(request.request_id, request.prompt_ids, request.params, request.trace)
-        with closing(outputs):
-            for output in outputs:
-                now = time.perf_counter()
-                if output.completion_tokens == 1:
-                    self.metrics.ttft.observe(now - request.arrival_time)
-                else:
-                    self.metrics.itl.observe(now - last_token_time)
-                last_token_time = now
-                self.metrics.generation_tokens.inc(len(output.token_ids))
-                self._kv_blocks = self._engine.kv_blocks()
-                self._deliver(request, output)
-                if request.state == "aborted":
-                    return  # leaving the ``with`` closes the generator, which frees the blocks
-
-    def _fail(self, request: Request, error: Exception) -> None:
-        self._deliver(request, RequestOutput.failed(request.request_id, error, len(request.prompt_ids)))
-
-    @staticmethod
-    def _deliver(request: Request, output: RequestOutput) -> None:
-        """Hand an output to the request's asyncio queue from this (non-asyncio) thread."""
-        try:
-            request.loop.call_soon_threadsafe(request.outputs.put_nowait, output)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            request.state = "aborted"

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 if TYPE_CHECKING:
-    from .engine import EngineStats
+    from .stats import EngineStats
 
 disable_created_metrics()  # no *_created series: they only add noise to a course server's output
 

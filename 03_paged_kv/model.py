@@ -1,8 +1,8 @@
 """A Llama-family decoder (Llama, Qwen2, Mistral) whose attention reads the paged KV cache.
 
-Up to stage 02, Hugging Face ran the model and kept its own cache. Here the model is ours, so that
-every layer can hand its keys and values to ``paged_attention`` and the pool of blocks. It computes
-what Hugging Face computes (the tests compare the logits), in about the same number of lines:
+The model is ours, not Hugging Face's, so that every layer can hand its keys and values to
+``paged_attention`` and the pool of blocks. It computes what Hugging Face computes (the tests
+compare the logits), in about the same number of lines:
 
     token ids [T] -> embed -> N x (x + attention(norm(x)), then x + mlp(norm(x))) -> hidden [T, hidden]
     hidden rows the engine needs [N, hidden] -> norm -> lm_head -> logits [N, vocab]

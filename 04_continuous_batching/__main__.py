@@ -9,8 +9,9 @@ from common.device import DeviceUnavailable
 from common.limits import Limits, add_limit_args
 from common.trace import Tracer, add_trace_args
 
+from .async_engine import AsyncEngine
 from .config import EngineConfig
-from .engine import AsyncEngine, Engine
+from .engine import Engine
 from .sampler import SamplingParams
 
 
@@ -27,7 +28,7 @@ def demo(engine: Engine, max_tokens: int) -> None:
     step = 0
     while engine.has_unfinished():
         step_start = time.perf_counter()
-        step_outputs = engine.step()
+        step_outputs = engine.step().outputs
         step += 1
         for output in step_outputs:
             outputs[output.request_id].extend(output.token_ids)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 if TYPE_CHECKING:
-    from .engine import EngineStats
+    from .stats import EngineStats
 
 disable_created_metrics()  # no *_created series: they only add noise to a course server's output
 
@@ -43,6 +43,10 @@ class Metrics:
         self.waiting.set_function(lambda: stats().waiting)
         self.kv_blocks_used.set_function(lambda: stats().kv_blocks.used)
         self.kv_blocks_free.set_function(lambda: stats().kv_blocks.free)
+
+    def count(self, before: EngineStats, after: EngineStats) -> None:
+        """Move the counters by what the engine counted between two of its snapshots."""
+        self.preemptions.inc(after.preemptions - before.preemptions)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

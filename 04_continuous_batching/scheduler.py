@@ -15,6 +15,10 @@ When the pool runs dry in the middle of decoding, the most recently admitted seq
 **preempted**: it gives back all its blocks and goes back to the front of the waiting queue, to be
 recomputed (its prompt plus what it generated so far, prefilled again) when blocks free up. The
 oldest requests always keep going, so every request finishes.
+
+After the step, ``update`` appends each sequence's new token and finishes those that are done: the
+scheduler is the only one that changes a sequence, so the engine's step reads as a pipeline
+(schedule, prepare, execute, sample, update).
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from .block_manager import BlockManager
-from .sequence import Sequence, SequenceStatus
+from .sampler import TokenLogprobs
+from .sequence import FinishReason, RequestOutput, Sequence, SequenceStatus
 
 
 @dataclass
@@ -39,18 +44,35 @@ class Batch:
         return sum(seq.num_new_tokens for seq in self.seqs)
 
 
+@dataclass(frozen=True)
+class Sampled:
+    """What a step chose for one sequence: its next token, and the logprobs its request asked for."""
+
+    token_ids: list[int]  # one token
+    logprobs: list[TokenLogprobs | None]  # one per token: None where the request did not ask
+    prompt_logprobs: list[TokenLogprobs] | None = None  # echo: the prompt's, scored by its prefill
+
+
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    """The one owner of the engine's sequences: it admits them, gives them blocks, appends what each step
+    chose for them, and finishes and frees them. Everyone else only reads a ``Sequence``."""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 eos_token_ids: set[int]) -> None:
         assert max_num_seqs >= 1 and max_num_batched_tokens >= 1
         self.block_manager = block_manager
+        self.eos_token_ids = eos_token_ids
         self.max_num_seqs = max_num_seqs  # the largest decode batch
         self.max_num_batched_tokens = max_num_batched_tokens  # the most prompt tokens one prefill step runs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.sequences: dict[str, Sequence] = {}  # every unfinished request, by id
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         assert seq.status is SequenceStatus.WAITING
+        assert seq.request_id not in self.sequences, f"duplicate request id {seq.request_id}"
+        self.sequences[seq.request_id] = seq
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -117,9 +139,60 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    # --- after the step ---------------------------------------------------------------------
+    def update(self, batch: Batch, sampled: list[Sampled]) -> list[RequestOutput]:
+        """The step has run: every sequence of ``batch`` has all its tokens in the cache, and ``sampled[i]`` is
+        what was chosen for ``batch.seqs[i]``. Append it, decide whether the sequence is done (and free it), and
+        return every sequence's output. A failure in one sequence's own work (its text, its stop strings)
+        fails that sequence alone."""
+        outputs = []
+        for seq, news in zip(batch.seqs, sampled, strict=True):
+            seq.num_computed_tokens = seq.num_tokens
+            try:
+                with seq.trace.span("detokenize"):
+                    outputs.append(self._append(seq, news))
+            except Exception as exc:
+                outputs.append(self.fail(seq, exc))
+        return outputs
+
+    def _append(self, seq: Sequence, news: Sampled) -> RequestOutput:
+        """Add a sampled token to its sequence, decide whether the sequence is done, and free it if so. The
+        detokenizer runs here, not after: a stop string in the new text ends the sequence like EOS does."""
+        (token_id,), (logprobs,) = news.token_ids, news.logprobs
+        if seq.params.max_tokens == 0:  # only the prompt was to be scored (echo): the token is not used
+            self._finish(seq)
+            return RequestOutput(seq.request_id, [], "", "length", len(seq.prompt_ids), 0, [], news.prompt_logprobs)
+        finish_reason: FinishReason | None = None
+        ### BEGIN SOLUTION 4.4
+        seq.output_ids.append(token_id)
+        if token_id in self.eos_token_ids and not seq.params.ignore_eos:
+            text, finish_reason = seq.detokenizer.flush(), "stop"
+        else:
+            text = seq.detokenizer.add(token_id)
+            if seq.detokenizer.stopped:
+                finish_reason = "stop"
+            elif len(seq.output_ids) == seq.params.max_tokens:
+                text, finish_reason = text + seq.detokenizer.flush(), "length"
+        if finish_reason is not None:
+            self._finish(seq)  # leaves the batch and frees its blocks at once
+        ### END SOLUTION
+        return RequestOutput(seq.request_id, [token_id], text, finish_reason, len(seq.prompt_ids),
+                             len(seq.output_ids), None if logprobs is None else [logprobs], news.prompt_logprobs)
+
     # --- leaving ----------------------------------------------------------------------------
-    def finish(self, seq: Sequence) -> None:
+    def fail(self, seq: Sequence, error: Exception) -> RequestOutput:
+        """End a sequence with an error: it leaves the batch, its blocks return, its client is told."""
+        self._finish(seq)
+        return RequestOutput.failed(seq.request_id, error, len(seq.prompt_ids), len(seq.output_ids))
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request wherever it is (its client left); its blocks return to the pool now."""
+        if (seq := self.sequences.get(request_id)) is not None:
+            self._finish(seq)
+
+    def _finish(self, seq: Sequence) -> None:
         """A sequence is done (finished, failed, or its client left): it leaves its queue and frees its blocks."""
+        del self.sequences[seq.request_id]
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:

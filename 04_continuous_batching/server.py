@@ -1,9 +1,10 @@
 """HTTP layer: an OpenAI-compatible FastAPI server that streams tokens as server-sent events.
 
-New in stage 03: a request must fit in the KV-cache pool, and /health reports the pool's blocks.
-
 The handlers only validate, tokenize and translate; generation happens on the engine thread.
 Each token travels engine thread -> asyncio queue -> SSE chunk as soon as it is sampled.
+
+A request must fit in the KV-cache pool: one that never could is refused before it starts. /health
+reports the pool's blocks.
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ from common.protocol import (
 from common.trace import NO_TRACE, RequestTrace, Tracer
 
 from . import TITLE
+from .async_engine import AsyncEngine
 from .detokenizer import IncrementalDetokenizer
-from .engine import AsyncEngine, EngineStopped, InvalidRequest
+from .engine import EngineStopped, InvalidRequest
 from .sampler import SamplingParams
 from .sequence import RequestOutput
 

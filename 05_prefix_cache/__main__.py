@@ -9,8 +9,9 @@ from common.device import DeviceUnavailable
 from common.limits import Limits, add_limit_args
 from common.trace import Tracer, add_trace_args
 
+from .async_engine import AsyncEngine
 from .config import EngineConfig
-from .engine import AsyncEngine, Engine
+from .engine import Engine
 from .sampler import SamplingParams
 
 
@@ -27,7 +28,7 @@ def demo(engine: Engine, max_tokens: int) -> None:
     step, first_prefill_ms = 0, 0.0
     while engine.has_unfinished():
         step_start = time.perf_counter()
-        step_outputs = engine.step()
+        step_outputs = engine.step().outputs
         step += 1
         if step == 1:
             first_prefill_ms = 1000 * (time.perf_counter() - step_start)
@@ -54,7 +55,7 @@ def again(engine: Engine, first_prefill_ms: float) -> None:
         prompt_ids = engine.encode_chat([{"role": "user", "content": prompt}])
         engine.add_request(f"again-{i}", prompt_ids, SamplingParams(max_tokens=1, temperature=0.0))
     start = time.perf_counter()
-    outputs = engine.step()
+    outputs = engine.step().outputs
     cached, total = sum(output.cached_tokens for output in outputs), sum(output.prompt_tokens for output in outputs)
     print(f"  prefill {1000 * (time.perf_counter() - start):6.1f} ms (the first time: {first_prefill_ms:.1f} ms): "
           f"{cached} of {total} prompt tokens were found cached, {total - cached} computed")

@@ -1,11 +1,11 @@
-"""The block manager, now with a prefix cache: blocks are shared, counted, and kept after use.
+"""The block manager with a prefix cache: blocks are shared, counted, and kept after use.
 
 The pool is a fixed number of blocks of ``block_size`` token slots. A sequence owns a *block table*,
 the list of its block ids in token order; its token at position p lives in block
 ``block_table[p // block_size]`` at offset ``p % block_size``. A sequence asks for one more block
 only when its last one is full.
 
-New in stage 05, three changes make a block's contents outlive the sequence that computed them:
+Three things make a block's contents outlive the sequence that computed them:
 
 * **Sharing.** Each full block that a sequence has computed is entered in a prefix index (see
   ``prefix_index.py``). A new sequence whose tokens start the same way *shares* those blocks: its
@@ -29,6 +29,14 @@ from .prefix_index import PrefixIndex
 
 class NoFreeBlocks(RuntimeError):
     """The pool has no block left to give."""
+
+
+def token_slots(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:
+    """The cache slot of each token position in ``[start, end)``: block id * block_size + offset. (A function,
+    not a method: the model runner needs only the block size to place tokens, never the pool itself.)"""
+    ### BEGIN SOLUTION 3.2
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+    ### END SOLUTION
 
 
 class BlockManager:
@@ -170,8 +178,3 @@ class BlockManager:
                 self.free_blocks.append(block)
         ### END SOLUTION
 
-    def slot_mapping(self, block_table: list[int], start: int, end: int) -> list[int]:
-        """The cache slot of each token position in ``[start, end)``: block id * block_size + offset."""
-        ### BEGIN SOLUTION 3.2
-        return [block_table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end)]
-        ### END SOLUTION

@@ -19,16 +19,16 @@ class EngineConfig:
     device: str = field(default="auto", metadata={"help": "auto picks CUDA when present", "choices": DEVICES})
     dtype: str = field(default="auto", metadata={"help": "auto is float32 on CPU, bfloat16 on CUDA",
                                                  "choices": DTYPES})
-    # Stage 03: the paged KV cache.
+    # The paged KV cache.
     kv_cache_mb: int = field(default=0, metadata={
         "help": "KV-cache pool size in MiB; 0 is 512 on a CPU and, on CUDA, what the card has left"})
     gpu_memory_utilization: float = field(
         default=0.9, metadata={"help": "on CUDA, the share of free memory (after the weights) the pool takes"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block", "choices": [16, 32, 64, 128]})
-    # Stage 04: continuous batching.
+    # Continuous batching.
     max_num_seqs: int = field(default=64, metadata={"help": "the largest decode batch"})
     max_num_batched_tokens: int = field(default=4096, metadata={"help": "the most prompt tokens one prefill step runs"})
-    # Stage 05: the prefix cache.
+    # The prefix cache.
     prefix_cache: str = field(default="hash", metadata={
         "help": "how cached blocks are found: a chained SHA-256 per block, a radix tree of token blocks, or off",
         "choices": ["hash", "radix", "off"]})

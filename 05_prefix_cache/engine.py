@@ -1,24 +1,20 @@
-"""The engine: continuous batching. Many requests share every forward pass.
+"""The engine: one step at a time, every request in flight batched into each forward pass.
 
-Stage 03 ran one request's whole generation before looking at the next. Here the engine runs
-*steps*: before each forward pass the scheduler decides which sequences take part (a prefill of
-newly admitted prompts, or one decode token for every running sequence), the model runner builds
-one flat batch from them, the sampler picks every sequence's next token at once, and finished
-sequences leave and free their blocks. A request that arrives mid-way joins at the next step.
+Each ``step`` is a short pipeline: the scheduler picks the sequences that take part (a prefill of
+newly admitted prompts, after the blocks of theirs already in the prefix cache, or one decode token for
+every running sequence), the model runner lays them out as one flat batch and runs the model, the
+sampler picks every sequence's next token at once, and the scheduler appends them, indexes the blocks
+they filled, finishes the sequences that are done and frees their blocks. A request that arrives
+mid-way joins at the next step; the ``n`` samples of a request share its prompt's blocks.
 
-``Engine`` is the synchronous core (``add_request``, ``step``, ``abort``). ``AsyncEngine`` runs its
-step loop on a thread for the asyncio server.
+``Engine`` is the synchronous core (``add_request``, ``step``, ``abort``); ``AsyncEngine``
+(``async_engine.py``) runs its step loop on a thread for the asyncio server.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import queue
-import threading
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import torch
 from transformers import AutoTokenizer
@@ -31,14 +27,14 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache import KVCache, budget_bytes
-from .metrics import Metrics
 from .model import LlamaForCausalLM
 from .model_runner import ModelRunner, StepInput
 from .prefix_index import HashIndex, PrefixIndex
 from .radix_tree import RadixTree
-from .sampler import SamplingParams, TokenLogprobs, compute_logprobs, make_generator, sample
-from .scheduler import Scheduler
-from .sequence import Request, RequestOutput, Sequence
+from .sampler import SamplingParams, compute_logprobs, make_generator, sample
+from .scheduler import Batch, Sampled, Scheduler
+from .sequence import Sequence, StepKind, StepResult
+from .stats import EngineStats, KVBlockStats, PrefixCacheStats
 
 log = logging.getLogger("llm-course")
 
@@ -49,36 +45,6 @@ class InvalidRequest(ValueError):
 
 class EngineStopped(RuntimeError):
     """The engine thread has exited: nothing it held or was sent will ever be served."""
-
-
-@dataclass(frozen=True)
-class KVBlockStats:
-    total: int
-    used: int  # held by at least one sequence
-    evictable: int  # held by none, still findable in the prefix cache
-    free: int
-    cached: int  # in the prefix cache: shared, or evictable
-    block_size: int
-
-
-@dataclass(frozen=True)
-class PrefixCacheStats:
-    queries: int  # prompt tokens looked up at admission
-    hits: int  # of those, found in the cache
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """The engine's load at one moment, taken on the engine thread (``/health`` and ``/metrics`` read it)."""
-
-    running: int
-    waiting: int
-    kv_blocks: KVBlockStats
-    prefix_cache: PrefixCacheStats
 
 
 def make_index(kind: str, block_size: int) -> PrefixIndex | None:
@@ -120,9 +86,9 @@ class Engine:
         self.kv_cache = KVCache.allocate(shape, budget, self.device)
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size,
                                           make_index(config.prefix_cache, config.block_size))
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device)
-        self.sequences: dict[str, list[Sequence]] = {}  # every unfinished request's samples, by request id
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.eos_token_ids)
+        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device)
         # Warm up: compile every kernel now (a decode step and an extend step), not in a user's request.
         for num_tokens in (1, 2):
             self.run_dummy_step(num_tokens, self.kv_cache)
@@ -130,12 +96,11 @@ class Engine:
     def run_dummy_step(self, num_tokens: int, kv_cache: KVCache) -> None:
         """One forward pass of ``num_tokens`` tokens of one sequence that writes nothing (slot -1) and reads
         block 0 for every position: to compile the kernels, and to measure the activations' peak."""
-        step = StepInput(input_ids=[0] * num_tokens, positions=list(range(num_tokens)),
-                         slot_mapping=[-1] * num_tokens, query_start_loc=[0, num_tokens], seq_lens=[num_tokens],
-                         block_tables=[[0] * -(-num_tokens // kv_cache.shape.block_size)],
-                         logits_indices=[num_tokens - 1], prompt_logits_indices=[], num_prompt_logits=[0])
-        ModelRunner(self.model, kv_cache, BlockManager(kv_cache.num_blocks, kv_cache.shape.block_size),
-                    self.device).execute(step)
+        inputs = StepInput(input_ids=[0] * num_tokens, positions=list(range(num_tokens)),
+                           slot_mapping=[-1] * num_tokens, query_start_loc=[0, num_tokens], seq_lens=[num_tokens],
+                           block_tables=[[0] * -(-num_tokens // kv_cache.shape.block_size)],
+                           logits_indices=[num_tokens - 1], prompt_logits_indices=[], num_prompt_logits=[0])
+        ModelRunner(self.model, kv_cache, kv_cache.shape.block_size, self.device).execute(inputs)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -147,6 +112,7 @@ class Engine:
         return EngineStats(len(scheduler.running), len(scheduler.waiting),
                            KVBlockStats(blocks.num_blocks, blocks.num_used, blocks.num_evictable, blocks.num_free,
                                         blocks.num_cached, blocks.block_size),
+                           scheduler.num_preemptions,
                            PrefixCacheStats(scheduler.prefix_cache_queries, scheduler.prefix_cache_hits))
 
     # --- text <-> token ids ---------------------------------------------------------------
@@ -180,9 +146,8 @@ class Engine:
         """Queue a request for ``n`` samples; it joins the batch at a coming step. Raises InvalidRequest if it
         cannot run.
 
-        Sample 0 is queued now. The other samples start after its prefill (``_fork``): by then the prompt's
-        full blocks are in the prefix cache, and each sample computes only the prompt's last block itself."""
-        assert request_id not in self.sequences, f"duplicate request id {request_id}"
+        Sample 0 is queued now. The other samples start after its prefill (the scheduler's ``_fork``): by then
+        the prompt's full blocks are in the prefix cache, and each sample computes only the prompt's last block."""
         assert n >= 1 and not (n > 1 and params.prompt_logprobs is not None), "prompt logprobs are scored once"
         self.check_request(prompt_ids, params)
         samples = [Sequence(request_id, list(prompt_ids), params, make_generator(sample_seed(params.seed, i),
@@ -190,318 +155,69 @@ class Engine:
                             IncrementalDetokenizer(self.tokenizer, params.stop), trace=trace or RequestTrace(), index=i)
                    for i in range(n)]
         samples[0].forks = samples[1:]
-        self.sequences[request_id] = samples[:1]
         self.scheduler.add(samples[0])
-
-    def _fork(self, seq: Sequence) -> None:
-        """Its prefill is done: queue the request's other samples, first in line, to share its prompt blocks."""
-        self.sequences[seq.request_id] += seq.forks
-        for fork in reversed(seq.forks):
-            self.scheduler.add(fork, first=True)
-        seq.forks = []
 
     def abort(self, request_id: str) -> None:
         """Drop a request wherever it is (its client left); its blocks return to the pool now."""
-        for seq in list(self.sequences.get(request_id, [])):
-            self._finish(seq)
-
-    def _finish(self, seq: Sequence) -> None:
-        """A sequence is done (finished, failed or dropped): it leaves the engine, its blocks return."""
-        samples = self.sequences[seq.request_id]
-        samples.remove(seq)
-        if not samples:
-            del self.sequences[seq.request_id]
-        seq.forks = []  # samples never started (it failed or was aborted before its prefill) go with it
-        self.scheduler.finish(seq)
+        self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # --- one step -------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward pass for the whole batch, sample, and report every sequence's new token."""
+    def step(self) -> StepResult:
+        """One iteration, a pipeline: schedule, prepare, execute, sample, update (the scheduler appends each new
+        token, finishes and frees). Returns every scheduled sequence's output."""
         started = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.seqs:
-            return []
+            return StepResult([])
         try:
-            step = self.runner.prepare(batch)
-            logits, prompt_logits = self.runner.execute(step)  # [B, V], and [M, V] for prompts to score
-            block_size = self.block_manager.block_size
-            for seq in batch.seqs:
-                filled = seq.num_tokens // block_size > seq.num_computed_tokens // block_size
-                seq.num_computed_tokens = seq.num_tokens  # the cache now holds every token it has
-                if filled:  # this step filled a block (a decode does once every block_size steps): index it
-                    self.block_manager.cache_full_blocks(seq.token_ids, seq.block_table, seq.num_computed_tokens)
-                if seq.forks:  # its prompt is cached now: the request's other samples can start
-                    self._fork(seq)
-            params = [seq.params for seq in batch.seqs]
-            token_ids = sample(logits, params, [seq.generator for seq in batch.seqs],
-                               [seq.output_ids for seq in batch.seqs])
-            logprobs = compute_logprobs(logits, token_ids, [p.logprobs for p in params])  # None for rows not asking
-            scored = prompt_logits.split(step.num_prompt_logits) if prompt_logits is not None else None
+            inputs = self.runner.prepare(batch)
+            logits, prompt_logits = self.runner.execute(inputs)  # [B, V], and [M, V] for prompts to score
+            sampled = self._sample(batch, inputs, logits, prompt_logits)
         except Exception as exc:  # one pass for the whole batch: all of it fails (their caches are half written)
             if isinstance(exc, torch.AcceleratorError):
                 # A CUDA error (a device-side assert, say) is sticky: every later kernel on this GPU fails
                 # too. Failing this batch and going on would fail every batch after it, so the engine
                 # stops, and the server says so (503) instead of answering each request with a 500.
                 raise EngineStopped(f"the GPU failed: {exc}") from exc
-            return [self._fail(seq, exc) for seq in batch.seqs]
-        kind, ended = "prefill" if batch.is_prefill else "decode", time.perf_counter()
-        outputs = []
-        for i, seq in enumerate(batch.seqs):
+            return StepResult([self.scheduler.fail(seq, exc) for seq in batch.seqs], batch.num_tokens)
+        kind: StepKind = "prefill" if batch.is_prefill else "decode"
+        ended = time.perf_counter()
+        for seq in batch.seqs:
             seq.trace.add(kind, started, ended)  # the whole step: the sequence waited for all of the batch
-            try:
-                prompt_logprobs = None
-                if scored is not None and step.num_prompt_logits[i]:
-                    ks = [seq.params.prompt_logprobs] * step.num_prompt_logits[i]
-                    prompt_logprobs = compute_logprobs(scored[i], seq.prompt_ids[1:], ks)
-                with seq.trace.span("detokenize"):
-                    outputs.append(self._append(seq, token_ids[i], logprobs[i], prompt_logprobs))
-            except Exception as exc:  # this sequence's own work (its text, its stop strings): only it fails
-                outputs.append(self._fail(seq, exc))
-        return outputs
+        return StepResult(self.scheduler.update(batch, sampled), batch.num_tokens)
 
-    def _append(self, seq: Sequence, token_id: int, logprobs: TokenLogprobs | None,
-                prompt_logprobs: list[TokenLogprobs] | None) -> RequestOutput:
-        """Add a sampled token to its sequence, decide whether the sequence is done, and free it if so."""
-        if seq.params.max_tokens == 0:  # only the prompt was to be scored (echo): the token is not used
-            self._finish(seq)
-            return RequestOutput(seq.request_id, [], "", "length", len(seq.prompt_ids), 0, [], prompt_logprobs,
-                                 cached_tokens=seq.num_cached_tokens)
-        ### BEGIN SOLUTION 4.4
-        seq.output_ids.append(token_id)
-        finish_reason = None
-        if token_id in self.eos_token_ids and not seq.params.ignore_eos:
-            text, finish_reason = seq.detokenizer.flush(), "stop"
-        else:
-            text = seq.detokenizer.add(token_id)
-            if seq.detokenizer.stopped:
-                finish_reason = "stop"
-            elif len(seq.output_ids) == seq.params.max_tokens:
-                text, finish_reason = text + seq.detokenizer.flush(), "length"
-        if finish_reason is not None:
-            self._finish(seq)  # leaves the batch and frees its blocks at once
-        ### END SOLUTION
-        return RequestOutput(seq.request_id, [token_id], text, finish_reason, len(seq.prompt_ids),
-                             len(seq.output_ids), None if logprobs is None else [logprobs], prompt_logprobs,
-                             cached_tokens=seq.num_cached_tokens, index=seq.index)
+    def _sample(self, batch: Batch, inputs: StepInput, logits: torch.Tensor,
+                prompt_logits: torch.Tensor | None) -> list[Sampled]:
+        """Every sequence's next token, from its row of ``logits``, with the logprobs its request asked for."""
+        seqs = batch.seqs
+        params = [seq.params for seq in seqs]
+        token_ids = sample(logits, params, [seq.generator for seq in seqs], [seq.output_ids for seq in seqs])
+        logprobs = compute_logprobs(logits, token_ids, [p.logprobs for p in params])  # None for rows not asking
+        scored = prompt_logits.split(inputs.num_prompt_logits) if prompt_logits is not None else None
+        sampled = []
+        for i, seq in enumerate(seqs):
+            prompt_logprobs = None
+            if scored is not None and inputs.num_prompt_logits[i]:  # echo: the prompt's own logprobs
+                ks = [seq.params.prompt_logprobs] * inputs.num_prompt_logits[i]
+                prompt_logprobs = compute_logprobs(scored[i], seq.prompt_ids[1:], ks)
+            sampled.append(Sampled([token_ids[i]], [logprobs[i]], prompt_logprobs))
+        return sampled
 
-    def _fail(self, seq: Sequence, error: Exception) -> RequestOutput:
-        """End a sequence with an error: it leaves the batch, its blocks return, its client is told."""
-        self._finish(seq)
-        return RequestOutput.failed(seq.request_id, error, len(seq.prompt_ids), len(seq.output_ids), seq.index)
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
-        """Offline use (the demo, the tests): run every prompt to the end, all batched; their output ids."""
+    def generate_offline(self, prompts: list[list[int]],
+                         params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Offline use (the demo, the tests): run every prompt to the end, all batched; their output ids. (The
+        server streams through ``AsyncEngine.generate`` instead.)"""
         params = params if isinstance(params, list) else [params] * len(prompts)
         outputs: dict[str, list[int]] = {}
         for i, (prompt_ids, p) in enumerate(zip(prompts, params, strict=True)):
             self.add_request(f"offline-{i}", prompt_ids, p)
             outputs[f"offline-{i}"] = []
         while self.has_unfinished():
-            for output in self.step():
+            for output in self.step().outputs:
                 if output.error is not None:
                     raise output.error
                 outputs[output.request_id].extend(output.token_ids)
         return list(outputs.values())
-
-
-# --- what the HTTP side sends the engine thread ------------------------------------------------------
-
-
-@dataclass
-class AddRequest:
-    request: Request
-
-
-@dataclass
-class AbortRequest:
-    request_id: str  # its client left
-
-
-@dataclass
-class Shutdown:
-    pass
-
-
-InboxMessage = AddRequest | AbortRequest | Shutdown
-
-
-class AsyncEngine:
-    """Runs the engine's step loop on its own thread and bridges it to asyncio.
-
-    The HTTP side never touches the engine: ``generate`` puts the request in an inbox and reads
-    outputs from the request's own asyncio queue, and ``stats()`` returns the snapshot the thread
-    took after its last step. The thread takes everything from the inbox (new requests, aborts)
-    between two steps, so the engine is only ever used by one thread.
-    """
-
-    def __init__(self, engine: Engine, metrics: Metrics | None = None) -> None:
-        self._engine = engine
-        # What the server may read from any thread: fixed at start-up.
-        self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.max_model_len
-        self.kv_capacity_tokens = engine.kv_capacity_tokens
-        self.metrics = metrics or Metrics()
-        self._stats = engine.stats()  # replaced (never modified) by the engine thread
-        self.metrics.watch(self.stats)
-        self._inbox: queue.Queue[InboxMessage] = queue.Queue()
-        self._requests: dict[str, Request] = {}  # owned by the engine thread
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
-        self._lock = threading.Lock()  # so that no request slips into the inbox after the thread's last look
-        self._stopped = False  # set under the lock when the thread exits: submitting then fails fast
-        self._next_id = 0
-        self._preemptions_seen = engine.scheduler.num_preemptions  # the counters count from here
-        # The scheduler's prefix-cache queries and hits at the last count.
-        self._prefix_seen = (engine.scheduler.prefix_cache_queries, engine.scheduler.prefix_cache_hits)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._inbox.put(Shutdown())
-        self._thread.join(timeout=10)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def stats(self) -> EngineStats:
-        return self._stats
-
-    def encode(self, prompt: str) -> list[int]:
-        return self._engine.encode(prompt)
-
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return self._engine.encode_chat(messages)
-
-    # --- the HTTP side (asyncio) ----------------------------------------------------------
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, trace: RequestTrace | None = None,
-                       n: int = 1) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its outputs as the engine thread produces them.
-
-        A failure arrives as an output with ``error`` set (the last one). If the consumer stops
-        early (the client disconnected, the task was cancelled), the ``finally`` asks the engine
-        thread to drop the request, which frees its blocks.
-        """
-        self._next_id += 1
-        request = Request(f"req-{self._next_id}", prompt_ids, params, loop=asyncio.get_running_loop(),
-                          trace=trace or RequestTrace(), n=n)
-        with self._lock:
-            stopped = self._stopped
-            if not stopped:
-                self._inbox.put(AddRequest(request))
-        if stopped:
-            yield RequestOutput.failed(request.request_id, EngineStopped("the engine has stopped"), len(prompt_ids))
-            return
-        try:
-            unfinished = request.n  # samples still running; one error ends the request
-            while True:
-                output = await request.outputs.get()
-                yield output
-                unfinished -= output.finished
-                if unfinished == 0 or output.error is not None:
-                    request.finished = True
-                    return
-        finally:
-            if not request.finished:
-                self._inbox.put(AbortRequest(request.request_id))
-
-    # --- the engine thread ----------------------------------------------------------------
-    def _run(self) -> None:
-        stopped = EngineStopped("the engine stopped before this request finished")
-        try:
-            self._step_loop()
-        except EngineStopped as exc:  # the engine cannot go on (the GPU failed): stop serving, and say why
-            log.error("%s", exc)
-            stopped = exc
-        finally:  # a normal stop, or a bug that killed the thread: fail whatever is left at once
-            with self._lock:
-                self._stopped = True
-            for request_id, request in self._requests.items():
-                self._engine.abort(request_id)  # its blocks go back to the pool
-                self._deliver(request, RequestOutput.failed(request_id, stopped, len(request.prompt_ids)))
-            self._requests.clear()
-            while not self._inbox.empty():
-                if isinstance(message := self._inbox.get(), AddRequest):
-                    request = message.request
-                    self._deliver(request, RequestOutput.failed(request.request_id, stopped, len(request.prompt_ids)))
-            self._stats = self._engine.stats()
-
-    def _step_loop(self) -> None:
-        while True:
-            # Idle: sleep until something arrives. Busy: take what has arrived, without waiting.
-            if not self._drain_inbox(block=not self._engine.has_unfinished()):
-                return
-            started = time.perf_counter()
-            outputs = self._engine.step()
-            self.metrics.engine_busy.inc(time.perf_counter() - started)  # its rate: the busy fraction
-            self._stats = self._engine.stats()
-            scheduler = self._engine.scheduler
-            self.metrics.preemptions.inc(scheduler.num_preemptions - self._preemptions_seen)
-            self._preemptions_seen = scheduler.num_preemptions
-            self._count_prefix_cache(scheduler.prefix_cache_queries, scheduler.prefix_cache_hits)
-            now = time.perf_counter()
-            for output in outputs:
-                if (request := self._requests.get(output.request_id)) is None:
-                    continue  # another of its samples failed in this step: the request has ended
-                request.num_finished += output.finished
-                if output.error is not None:  # one sample failed: the request fails, its other samples stop
-                    self._engine.abort(output.request_id)
-                if request.num_finished == request.n or output.error is not None:
-                    del self._requests[output.request_id]
-                if output.error is None:
-                    self._record(request, output, now)
-                self._deliver(request, output)
-
-    def _count_prefix_cache(self, queries: int, hits: int) -> None:
-        """Move the prefix-cache counters by what the scheduler counted since the last step."""
-        self.metrics.prefix_cache_queries.inc(queries - self._prefix_seen[0])
-        self.metrics.prefix_cache_hits.inc(hits - self._prefix_seen[1])
-        self._prefix_seen = (queries, hits)
-
-    def _drain_inbox(self, block: bool) -> bool:
-        """Apply every queued add and abort; False when asked to stop."""
-        while True:
-            try:
-                message = self._inbox.get(block=block)
-            except queue.Empty:
-                break
-            if isinstance(message, Shutdown):
-                return False
-            if isinstance(message, AddRequest):
-                self._add(message.request)
-            elif message.request_id in self._requests:  # an abort of a request that has not finished yet
-                del self._requests[message.request_id]
-                self._engine.abort(message.request_id)
-            block = False  # after the first message, take only what is already there
-        self._stats = self._engine.stats()
-        return True
-
-    def _add(self, request: Request) -> None:
-        try:
-            self._engine.add_request(request.request_id, request.prompt_ids, request.params, request.trace, request.n)
-        except InvalidRequest as exc:
-            self._deliver(request, RequestOutput.failed(request.request_id, exc, len(request.prompt_ids)))
-            return
-        self._requests[request.request_id] = request
-        self.metrics.prompt_tokens.inc(len(request.prompt_ids))
-
-    def _record(self, request: Request, output: RequestOutput, now: float) -> None:
-        self.metrics.generation_tokens.inc(len(output.token_ids))
-        if output.index != 0:
-            return  # the latencies of a request with n samples: those of its first
-        if output.completion_tokens == 1:
-            self.metrics.ttft.observe(now - request.arrival_time)
-        else:
-            self.metrics.itl.observe(now - request.last_token_time)
-        request.last_token_time = now
-
-    @staticmethod
-    def _deliver(request: Request, output: RequestOutput) -> None:
-        """Hand an output to the request's asyncio queue from this (non-asyncio) thread."""
-        try:
-            request.loop.call_soon_threadsafe(request.outputs.put_nowait, output)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass

@@ -1,7 +1,7 @@
 """The KV cache as a pool of blocks, allocated once at start-up from a memory budget.
 
-Stage 02 let Hugging Face grow one contiguous cache per request. Here the server reserves all
-the cache memory it will ever use up front and cuts it into blocks of ``block_size`` tokens:
+The server reserves all the cache memory it will ever use up front, not request by request, and
+cuts it into blocks of ``block_size`` tokens:
 for every layer, K and V each get ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 Which block belongs to which sequence is the ``BlockManager``'s business, not this tensor's.
 """
@@ -57,7 +57,7 @@ def budget_bytes(device: torch.device, kv_cache_mb: int, gpu_memory_utilization:
 
     On CUDA: the share ``gpu_memory_utilization`` of the whole card, less what is in use now (the
     weights, other processes), less how far activations rose above that in the steps run so far
-    (stage 04 runs its largest step once, just before, to measure it). The share below 1 leaves
+    (an engine that runs its largest step once, just before, counts its activations). The share below 1 leaves
     room for what comes later: CUDA graphs, NCCL buffers.
     """
     if kv_cache_mb > 0:

@@ -20,7 +20,7 @@ from itertools import pairwise
 import torch
 
 from .attention import AttentionMetadata
-from .block_manager import BlockManager
+from .block_manager import token_slots
 from .kv_cache import KVCache
 from .model import LlamaForCausalLM
 from .scheduler import Batch
@@ -42,11 +42,11 @@ class StepInput:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_manager: BlockManager,
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int,
                  device: torch.device) -> None:
         self.model = model
         self.kv_cache = kv_cache
-        self.block_manager = block_manager
+        self.block_size = block_size
         self.device = device
 
     def prepare(self, batch: Batch) -> StepInput:
@@ -63,7 +63,7 @@ class ModelRunner:
             ### BEGIN SOLUTION 4.3
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            slot_mapping.extend(self.block_manager.slot_mapping(seq.block_table, start, end))
+            slot_mapping.extend(token_slots(seq.block_table, self.block_size, start, end))
             query_start_loc.append(query_start_loc[-1] + end - start)
             seq_lens.append(end)
             ### END SOLUTION

@@ -16,11 +16,15 @@ When the pool runs dry in the middle of decoding, the most recently admitted seq
 recomputed (its prompt plus what it generated so far, prefilled again) when blocks free up. The
 oldest requests always keep going, so every request finishes.
 
-New in stage 05: admission first looks the sequence up in the prefix cache. The blocks of its
+Admission first looks the sequence up in the prefix cache. The blocks of its
 longest cached prefix are shared, not allocated, and the prefill starts after them: only the
 blocks it must really allocate count against the pool, and only the tokens it must really compute
 against the step's token budget. A preempted sequence is looked up the same way, and finds what is
 left of its own blocks.
+
+After the step, ``update`` appends each sequence's new token and finishes those that are done: the
+scheduler is the only one that changes a sequence, so the engine's step reads as a pipeline
+(schedule, prepare, execute, sample, update).
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from .block_manager import BlockManager
-from .sequence import Sequence, SequenceStatus
+from .sampler import TokenLogprobs
+from .sequence import FinishReason, RequestOutput, Sequence, SequenceStatus
 
 
 @dataclass
@@ -46,14 +51,29 @@ class Batch:
         return sum(seq.num_new_tokens for seq in self.seqs)
 
 
+@dataclass(frozen=True)
+class Sampled:
+    """What a step chose for one sequence: its next token, and the logprobs its request asked for."""
+
+    token_ids: list[int]  # one token
+    logprobs: list[TokenLogprobs | None]  # one per token: None where the request did not ask
+    prompt_logprobs: list[TokenLogprobs] | None = None  # echo: the prompt's, scored by its prefill
+
+
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    """The one owner of the engine's sequences: it admits them, gives them blocks, appends what each step
+    chose for them, and finishes and frees them. Everyone else only reads a ``Sequence``."""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 eos_token_ids: set[int]) -> None:
         assert max_num_seqs >= 1 and max_num_batched_tokens >= 1
         self.block_manager = block_manager
+        self.eos_token_ids = eos_token_ids
         self.max_num_seqs = max_num_seqs  # the largest decode batch
         self.max_num_batched_tokens = max_num_batched_tokens  # the most prompt tokens one prefill step runs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.sequences: dict[str, list[Sequence]] = {}  # every unfinished request's samples, by request id
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache at admission
         self.prefix_cache_hits = 0  # of those, tokens found there (not computed again)
@@ -61,6 +81,8 @@ class Scheduler:
     def add(self, seq: Sequence, first: bool = False) -> None:
         """Queue ``seq`` at the end, or ``first`` in line (the samples of a request already running)."""
         assert seq.status is SequenceStatus.WAITING
+        assert seq.index > 0 or seq.request_id not in self.sequences, f"duplicate request id {seq.request_id}"
+        self.sequences.setdefault(seq.request_id, []).append(seq)
         if first:
             self.waiting.appendleft(seq)
         else:
@@ -149,9 +171,79 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    # --- after the step ---------------------------------------------------------------------
+    def update(self, batch: Batch, sampled: list[Sampled]) -> list[RequestOutput]:
+        """The step has run: every sequence of ``batch`` has all its tokens in the cache, and ``sampled[i]`` is
+        what was chosen for ``batch.seqs[i]``. Index the blocks the step filled, start the other samples of a
+        request whose prompt is now cached, append each new token, decide whether the sequence is done (and
+        free it), and return every sequence's output. A failure in one sequence's own work (its text, its stop
+        strings) fails that sequence alone."""
+        outputs = []
+        for seq, news in zip(batch.seqs, sampled, strict=True):
+            block_size = self.block_manager.block_size
+            filled = seq.num_tokens // block_size > seq.num_computed_tokens // block_size
+            seq.num_computed_tokens = seq.num_tokens
+            if filled:  # this step filled a block (a decode does once every block_size steps): index it
+                self.block_manager.cache_full_blocks(seq.token_ids, seq.block_table, seq.num_computed_tokens)
+            if seq.forks:  # its prompt is cached now: the request's other samples can start
+                self._fork(seq)
+            try:
+                with seq.trace.span("detokenize"):
+                    outputs.append(self._append(seq, news))
+            except Exception as exc:
+                outputs.append(self.fail(seq, exc))
+        return outputs
+
+    def _fork(self, seq: Sequence) -> None:
+        """Its prefill is done: queue the request's other samples, first in line, to share its prompt blocks."""
+        for fork in reversed(seq.forks):
+            self.add(fork, first=True)
+        seq.forks = []
+
+    def _append(self, seq: Sequence, news: Sampled) -> RequestOutput:
+        """Add a sampled token to its sequence, decide whether the sequence is done, and free it if so. The
+        detokenizer runs here, not after: a stop string in the new text ends the sequence like EOS does."""
+        (token_id,), (logprobs,) = news.token_ids, news.logprobs
+        if seq.params.max_tokens == 0:  # only the prompt was to be scored (echo): the token is not used
+            self._finish(seq)
+            return RequestOutput(seq.request_id, [], "", "length", len(seq.prompt_ids), 0, [], news.prompt_logprobs,
+                                 cached_tokens=seq.num_cached_tokens)
+        finish_reason: FinishReason | None = None
+        ### BEGIN SOLUTION 4.4
+        seq.output_ids.append(token_id)
+        if token_id in self.eos_token_ids and not seq.params.ignore_eos:
+            text, finish_reason = seq.detokenizer.flush(), "stop"
+        else:
+            text = seq.detokenizer.add(token_id)
+            if seq.detokenizer.stopped:
+                finish_reason = "stop"
+            elif len(seq.output_ids) == seq.params.max_tokens:
+                text, finish_reason = text + seq.detokenizer.flush(), "length"
+        if finish_reason is not None:
+            self._finish(seq)  # leaves the batch and frees its blocks at once
+        ### END SOLUTION
+        return RequestOutput(seq.request_id, [token_id], text, finish_reason, len(seq.prompt_ids),
+                             len(seq.output_ids), None if logprobs is None else [logprobs], news.prompt_logprobs,
+                             cached_tokens=seq.num_cached_tokens, index=seq.index)
+
     # --- leaving ----------------------------------------------------------------------------
-    def finish(self, seq: Sequence) -> None:
+    def fail(self, seq: Sequence, error: Exception) -> RequestOutput:
+        """End a sequence with an error: it leaves the batch, its blocks return, its client is told."""
+        self._finish(seq)
+        return RequestOutput.failed(seq.request_id, error, len(seq.prompt_ids), len(seq.output_ids), seq.index)
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request wherever it is (its client left); its blocks return to the pool now."""
+        for seq in list(self.sequences.get(request_id, [])):
+            self._finish(seq)
+
+    def _finish(self, seq: Sequence) -> None:
         """A sequence is done (finished, failed, or its client left): it leaves its queue and frees its blocks."""
+        samples = self.sequences[seq.request_id]
+        samples.remove(seq)
+        if not samples:
+            del self.sequences[seq.request_id]
+        seq.forks = []  # samples never started (it failed or was aborted before its prefill) go with it
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:

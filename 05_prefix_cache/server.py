@@ -1,12 +1,12 @@
 """HTTP layer: an OpenAI-compatible FastAPI server that streams tokens as server-sent events.
 
-New in stage 03: a request must fit in the KV-cache pool, and /health reports the pool's blocks.
-New in stage 05: ``n`` > 1 (each choice is a sample of its own, all sharing the prompt's cached
-blocks); usage reports the prompt tokens found in the prefix cache
-(``prompt_tokens_details.cached_tokens``), and /health the cache's hit rate.
-
 The handlers only validate, tokenize and translate; generation happens on the engine thread.
 Each token travels engine thread -> asyncio queue -> SSE chunk as soon as it is sampled.
+
+A request must fit in the KV-cache pool: one that never could is refused before it starts. With
+``n`` > 1 it gets n choices, each a sample of its own, all sharing the prompt's cached blocks. Usage
+reports the prompt tokens found in the prefix cache (``prompt_tokens_details.cached_tokens``), and
+/health the pool's blocks and the cache's hit rate.
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ from common.protocol import (
 from common.trace import NO_TRACE, RequestTrace, Tracer
 
 from . import TITLE
+from .async_engine import AsyncEngine
 from .detokenizer import IncrementalDetokenizer
-from .engine import AsyncEngine, EngineStopped, InvalidRequest
+from .engine import EngineStopped, InvalidRequest
 from .sampler import SamplingParams
 from .sequence import RequestOutput
 

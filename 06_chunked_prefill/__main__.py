@@ -10,8 +10,9 @@ from common.limits import Limits, add_limit_args
 from common.loadgen import shared_prefix
 from common.trace import Tracer, add_trace_args
 
+from .async_engine import AsyncEngine
 from .config import EngineConfig
-from .engine import AsyncEngine, Engine
+from .engine import Engine
 from .sampler import SamplingParams
 
 LONG_PROMPT_TOKENS = 1500  # the demo's long prompt: about 5 s of prefill on a laptop CPU
@@ -38,10 +39,10 @@ def demo(engine: Engine, max_tokens: int) -> None:
         if step == 4:
             engine.add_request("long", long_ids, SamplingParams(max_tokens=8, temperature=0.0))
             long_arrived = time.perf_counter()
-        seqs = [seq for samples in engine.sequences.values() for seq in samples]
+        seqs = [seq for samples in engine.scheduler.sequences.values() for seq in samples]
         before = {seq.request_id: seq.num_computed_tokens for seq in seqs}
         step_start = time.perf_counter()
-        outputs = engine.step()
+        outputs = engine.step().outputs
         now = time.perf_counter()
         for output in outputs:
             if output.request_id in chats:

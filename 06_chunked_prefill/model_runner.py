@@ -1,9 +1,9 @@
 """The model runner, in two halves: ``prepare`` a scheduled batch as plain numbers, ``execute`` it.
 
 The model takes one step's tokens laid end to end, ``input_ids: [T]`` and ``positions: [T]``, with
-no padding. New in stage 06, one step mixes both kinds of rows: every decoding sequence contributes
-its one new token, and every sequence being prefilled its chunk, the ``num_scheduled_tokens`` tokens
-after the ``num_computed_tokens`` already in the cache (its cached prefix and its earlier chunks)::
+no padding. One step mixes both kinds of rows: every decoding sequence contributes its one new token,
+and every sequence being prefilled its chunk, the ``num_scheduled_tokens`` tokens after the
+``num_computed_tokens`` already in the cache (its cached prefix and its earlier chunks)::
 
     tokens   | d0 | d1 | d2 | p0 p0 p0 p0 p0 p0 | p1 p1 p1 |      3 decodes, 2 chunks: T = 12
     query_start_loc  0    1    2    3                   9          12
@@ -27,7 +27,7 @@ from itertools import pairwise
 import torch
 
 from .attention import AttentionMetadata
-from .block_manager import BlockManager
+from .block_manager import token_slots
 from .kv_cache import KVCache
 from .model import LlamaForCausalLM
 from .scheduler import Batch
@@ -49,11 +49,11 @@ class StepInput:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_manager: BlockManager,
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int,
                  device: torch.device) -> None:
         self.model = model
         self.kv_cache = kv_cache
-        self.block_manager = block_manager
+        self.block_size = block_size
         self.device = device
 
     def prepare(self, batch: Batch) -> StepInput:
@@ -72,7 +72,7 @@ class ModelRunner:
             end = start + seq.num_scheduled_tokens  # a decode: end - start == 1; a chunk: part of the prompt
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            slot_mapping.extend(self.block_manager.slot_mapping(seq.block_table, start, end))
+            slot_mapping.extend(token_slots(seq.block_table, self.block_size, start, end))
             query_start_loc.append(query_start_loc[-1] + end - start)
             seq_lens.append(end)  # what its queries see: everything cached, and this step's tokens
             if seq.samples_next_token:

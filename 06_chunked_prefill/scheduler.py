@@ -6,7 +6,7 @@ that finishes leaves the batch at once and a new one joins at the next step. Two
 * ``waiting``: first come, first served. New requests, and preempted ones at the front.
 * ``running``: sequences that hold KV blocks, in the order they were admitted.
 
-New in stage 06: a step is no longer a prefill *or* a decode. Each step has a **token budget**
+A step mixes decodes and prompt chunks. Each step has a **token budget**
 (``max_num_batched_tokens``) shared by everyone in it, spent in this order:
 
 1. **Decodes first.** Every running sequence whose prompt is done gets its one token, so no stream
@@ -15,7 +15,7 @@ New in stage 06: a step is no longer a prefill *or* a decode. Each step has a **
    through their prompts, then new ones from ``waiting``. A prompt longer than what is left gets a
    *chunk* of it now and comes back for more in the next steps; its blocks are taken chunk by chunk.
 
-So a 4,000-token prompt no longer freezes every stream for seconds: it is computed a few hundred
+So a 4,000-token prompt never freezes every stream for seconds: it is computed a few hundred
 tokens at a time, each chunk riding along with the decodes of the step it is in. Each sequence keeps
 how many of its tokens are in the cache (``num_computed_tokens``) and how many this step adds
 (``num_scheduled_tokens``); only the step that reaches a sequence's last token samples from it.
@@ -24,8 +24,12 @@ When the pool runs dry, the most recently admitted sequence is **preempted**: it
 blocks and goes back to the front of the waiting queue, to be recomputed when blocks free up
 (finding what is left of its own blocks in the prefix cache). The oldest requests always go on.
 
-From stage 05, admission first looks the sequence up in the prefix cache: the blocks of its longest
-cached prefix are shared, and its first chunk starts after them.
+Admission first looks the sequence up in the prefix cache: the blocks of its longest cached prefix
+are shared, and its first chunk starts after them.
+
+After the step, ``update`` counts each sequence's computed tokens, appends its new token and finishes
+those that are done: the scheduler is the only one that changes a sequence, so the engine's step reads
+as a pipeline (schedule, prepare, execute, sample, update).
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from .block_manager import BlockManager
-from .sequence import Sequence, SequenceStatus
+from .sampler import TokenLogprobs
+from .sequence import FinishReason, RequestOutput, Sequence, SequenceStatus
 
 
 @dataclass
@@ -49,16 +54,31 @@ class Batch:
         return sum(seq.num_scheduled_tokens for seq in self.seqs)
 
 
+@dataclass(frozen=True)
+class Sampled:
+    """What a step chose for one sequence: its next token, and the logprobs its request asked for."""
+
+    token_ids: list[int]  # one token; none for a chunk that ends part-way through its prompt
+    logprobs: list[TokenLogprobs | None]  # one per token: None where the request did not ask
+    prompt_logprobs: list[TokenLogprobs] | None = None  # echo: those of the prompt tokens this step's chunk scored
+
+
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    """The one owner of the engine's sequences: it admits them, gives them blocks, appends what each step
+    chose for them, and finishes and frees them. Everyone else only reads a ``Sequence``."""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 eos_token_ids: set[int]) -> None:
         assert max_num_seqs >= 1
         assert max_num_batched_tokens >= max_num_seqs, "every running sequence decodes in every step: the budget " \
             f"({max_num_batched_tokens} tokens) must cover max_num_seqs ({max_num_seqs})"
         self.block_manager = block_manager
+        self.eos_token_ids = eos_token_ids
         self.max_num_seqs = max_num_seqs  # the most sequences running at once
         self.max_num_batched_tokens = max_num_batched_tokens  # the step's token budget: decodes and prompt chunks
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.sequences: dict[str, list[Sequence]] = {}  # every unfinished request's samples, by request id
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache at admission
         self.prefix_cache_hits = 0  # of those, tokens found there (not computed again)
@@ -66,6 +86,8 @@ class Scheduler:
     def add(self, seq: Sequence, first: bool = False) -> None:
         """Queue ``seq`` at the end, or ``first`` in line (the samples of a request already running)."""
         assert seq.status is SequenceStatus.WAITING
+        assert seq.index > 0 or seq.request_id not in self.sequences, f"duplicate request id {seq.request_id}"
+        self.sequences.setdefault(seq.request_id, []).append(seq)
         if first:
             self.waiting.appendleft(seq)
         else:
@@ -77,8 +99,8 @@ class Scheduler:
     def schedule(self) -> Batch:
         """The next step: one token for every decoding sequence, then prompt chunks, oldest first, within the budget.
 
-        Sets each scheduled sequence's ``num_scheduled_tokens``; the engine adds them to its computed tokens
-        once the step has run."""
+        Sets each scheduled sequence's ``num_scheduled_tokens``; ``update`` adds them to its computed tokens once
+        the step has run."""
         assert all(seq.num_scheduled_tokens == 0 for seq in self.running), "the last step was not accounted for"
         preemptions = self.num_preemptions
         ### BEGIN SOLUTION 6.1
@@ -199,8 +221,94 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def finish(self, seq: Sequence) -> None:
+    # --- after the step ---------------------------------------------------------------------
+    def update(self, batch: Batch, sampled: list[Sampled]) -> list[RequestOutput]:
+        """The step has run: every sequence of ``batch`` has this step's tokens in the cache, and ``sampled[i]`` is
+        what was chosen for ``batch.seqs[i]`` (nothing for a chunk that ends part-way through its prompt). Count
+        the computed tokens, index the blocks they filled, start the other samples of a request whose prompt is
+        now cached, append each new token, decide whether the sequence is done (and free it), and return the
+        output of every sequence that has news. A failure in one sequence's own work (its text, its stop
+        strings) fails that sequence alone."""
+        outputs = []
+        for seq, news in zip(batch.seqs, sampled, strict=True):
+            if news.prompt_logprobs is not None:  # echo: this chunk's part of the prompt's logprobs
+                if seq.num_computed_tokens == 0:  # its first chunk (again, if it was preempted): start over
+                    seq.prompt_logprobs = []
+                seq.prompt_logprobs += news.prompt_logprobs
+            self._advance(seq)
+            if not news.token_ids:
+                continue  # a mid-prompt chunk: nothing to say yet
+            try:
+                with seq.trace.span("detokenize"):
+                    outputs.append(self._append(seq, news))
+            except Exception as exc:
+                outputs.append(self.fail(seq, exc))
+        return outputs
+
+    def _advance(self, seq: Sequence) -> None:
+        """This step's tokens of ``seq`` are in the cache now: count them, index the blocks they filled, and start
+        the request's other samples once its prompt is cached."""
+        block_size, before = self.block_manager.block_size, seq.num_computed_tokens
+        seq.num_computed_tokens += seq.num_scheduled_tokens
+        seq.num_scheduled_tokens = 0
+        filled = seq.num_computed_tokens // block_size > before // block_size
+        if filled:  # a block is full (a chunk may fill several; a decode does once every block_size steps): index it
+            self.block_manager.cache_full_blocks(seq.token_ids, seq.block_table, seq.num_computed_tokens)
+        if seq.forks and seq.num_computed_tokens == seq.num_tokens:  # its prompt is cached: the other samples start
+            self._fork(seq)
+
+    def _fork(self, seq: Sequence) -> None:
+        """Its prefill is done: queue the request's other samples, first in line, to share its prompt blocks."""
+        for fork in reversed(seq.forks):
+            self.add(fork, first=True)
+        seq.forks = []
+
+    def _append(self, seq: Sequence, news: Sampled) -> RequestOutput:
+        """Add a sampled token to its sequence, decide whether the sequence is done, and free it if so. The
+        detokenizer runs here, not after: a stop string in the new text ends the sequence like EOS does."""
+        (token_id,), (logprobs,) = news.token_ids, news.logprobs
+        # The first token comes with the prompt's logprobs, if the request asked (echo), scored over its chunks.
+        prompt_logprobs = seq.prompt_logprobs if seq.params.prompt_logprobs is not None and not seq.output_ids else None
+        if seq.params.max_tokens == 0:  # only the prompt was to be scored (echo): the token is not used
+            self._finish(seq)
+            return RequestOutput(seq.request_id, [], "", "length", len(seq.prompt_ids), 0, [], prompt_logprobs,
+                                 cached_tokens=seq.num_cached_tokens)
+        finish_reason: FinishReason | None = None
+        ### BEGIN SOLUTION 4.4
+        seq.output_ids.append(token_id)
+        if token_id in self.eos_token_ids and not seq.params.ignore_eos:
+            text, finish_reason = seq.detokenizer.flush(), "stop"
+        else:
+            text = seq.detokenizer.add(token_id)
+            if seq.detokenizer.stopped:
+                finish_reason = "stop"
+            elif len(seq.output_ids) == seq.params.max_tokens:
+                text, finish_reason = text + seq.detokenizer.flush(), "length"
+        if finish_reason is not None:
+            self._finish(seq)  # leaves the batch and frees its blocks at once
+        ### END SOLUTION
+        return RequestOutput(seq.request_id, [token_id], text, finish_reason, len(seq.prompt_ids),
+                             len(seq.output_ids), None if logprobs is None else [logprobs], prompt_logprobs,
+                             cached_tokens=seq.num_cached_tokens, index=seq.index)
+
+    # --- leaving ----------------------------------------------------------------------------
+    def fail(self, seq: Sequence, error: Exception) -> RequestOutput:
+        """End a sequence with an error: it leaves the batch, its blocks return, its client is told."""
+        self._finish(seq)
+        return RequestOutput.failed(seq.request_id, error, len(seq.prompt_ids), len(seq.output_ids), seq.index)
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request wherever it is (its client left); its blocks return to the pool now."""
+        for seq in list(self.sequences.get(request_id, [])):
+            self._finish(seq)
+
+    def _finish(self, seq: Sequence) -> None:
         """A sequence is done (finished, failed, or its client left): it leaves its queue and frees its blocks."""
+        samples = self.sequences[seq.request_id]
+        samples.remove(seq)
+        if not samples:
+            del self.sequences[seq.request_id]
+        seq.forks = []  # samples never started (it failed or was aborted before its prefill) go with it
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:

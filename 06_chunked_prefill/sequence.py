@@ -1,5 +1,6 @@
 """Request state. ``Sequence`` is what the engine thread knows about one request; ``Request`` is
-what the HTTP side holds while it waits for that request's tokens; ``RequestOutput`` goes between."""
+what the HTTP side holds while it waits for that request's tokens; ``RequestOutput`` goes between,
+and ``StepResult`` is what one engine step produced."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Literal
 
 import torch
 
@@ -14,6 +16,11 @@ from common.trace import RequestTrace
 
 from .detokenizer import IncrementalDetokenizer
 from .sampler import SamplingParams, TokenLogprobs
+
+# Why a sequence ended: EOS or a stop string, max_tokens, or a failure (the output then carries the error).
+FinishReason = Literal["stop", "length", "error"]
+# What a step did for one sequence (its trace's span): computed a prompt, or one new token.
+StepKind = Literal["prefill", "decode"]
 
 
 @dataclass
@@ -23,7 +30,7 @@ class RequestOutput:
     request_id: str
     token_ids: list[int]  # the tokens this step added: one (none for a prompt scored with max_tokens 0)
     text: str  # may be "" while a character or a possible stop string is incomplete
-    finish_reason: str | None  # None while running; then "stop", "length", or "error"
+    finish_reason: FinishReason | None  # None while running
     prompt_tokens: int
     completion_tokens: int  # tokens generated so far, this one included
     logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids, if the request asked
@@ -45,6 +52,14 @@ class RequestOutput:
         return cls(request_id, [], "", "error", prompt_tokens, completion_tokens, error=error, index=index)
 
 
+@dataclass(frozen=True)
+class StepResult:
+    """What one engine step produced: an output for every sequence that has news, and the step's size."""
+
+    outputs: list[RequestOutput]
+    num_tokens: int = 0  # tokens the forward pass ran (0: nothing was scheduled)
+
+
 class SequenceStatus(Enum):
     WAITING = "waiting"  # in the scheduler's queue: new, or preempted and waiting to be recomputed
     RUNNING = "running"  # holds blocks; decoded at every step
@@ -53,7 +68,8 @@ class SequenceStatus(Enum):
 
 @dataclass
 class Sequence:
-    """One request inside the engine: its tokens, its blocks, and how to sample and detokenize it."""
+    """One request inside the engine: its tokens, its blocks, and how to sample and detokenize it. The
+    scheduler alone changes it (admits, appends, finishes, frees); the other components only read it."""
 
     request_id: str
     prompt_ids: list[int]
@@ -74,11 +90,6 @@ class Sequence:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
-
-    @property
-    def last_token_id(self) -> int:
-        """The newest token: the one the next decode step runs."""
-        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
 
     @property
     def needs_prompt_logprobs(self) -> bool:

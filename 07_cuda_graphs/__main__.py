@@ -9,8 +9,9 @@ from common.device import DeviceUnavailable
 from common.limits import Limits, add_limit_args
 from common.trace import Tracer, add_trace_args
 
+from .async_engine import AsyncEngine
 from .config import EngineConfig
-from .engine import AsyncEngine, Engine
+from .engine import Engine
 from .model_runner import StepInput
 from .sampler import SamplingParams
 from .step_bench import decode_step, time_ms
@@ -24,7 +25,8 @@ def demo(engine: Engine, max_tokens: int) -> None:
     print(f"\nBuckets: {runner.sizes}. A decode step of n sequences pads to the smallest bucket >= n and {how}.")
     prompts = DEMO_PROMPTS  # three: bucket 4, one row of padding
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    outputs = engine.generate([engine.encode_chat([{"role": "user", "content": p}]) for p in prompts], params)
+    prompt_ids = [engine.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+    outputs = engine.generate_offline(prompt_ids, params)
     for prompt, ids in zip(prompts, outputs, strict=True):
         print(f"\n{prompt!r}\n  -> {engine.tokenizer.decode(ids, skip_special_tokens=True)!r}")
     print("\nOne decode step (context 256), the median of several runs:")

@@ -27,22 +27,22 @@ class EngineConfig:
     device: str = field(default="auto", metadata={"help": "auto picks CUDA when present", "choices": DEVICES})
     dtype: str = field(default="auto", metadata={"help": "auto is float32 on CPU, bfloat16 on CUDA",
                                                  "choices": DTYPES})
-    # Stage 03: the paged KV cache.
+    # The paged KV cache.
     kv_cache_mb: int = field(default=0, metadata={
         "help": "KV-cache pool size in MiB; 0 is 512 on a CPU and, on CUDA, what the card has left"})
     gpu_memory_utilization: float = field(
         default=0.9, metadata={"help": "on CUDA, the share of free memory (after the weights) the pool takes"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block", "choices": [16, 32, 64, 128]})
-    # Stage 04: continuous batching.
+    # Continuous batching.
     max_num_seqs: int = field(default=64, metadata={"help": "the largest decode batch"})
-    # Stage 06: chunked prefill (the budget was stage 04's limit on one prefill; now it holds every step).
+    # Chunked prefill: one token budget holds every step, its decodes and its prompt chunks.
     max_num_batched_tokens: int = field(default=0, metadata={
         "help": "the token budget of one step, decodes and prompt chunks together (at least max_num_seqs); "
                 f"0 is {CPU_TOKEN_BUDGET} on a CPU and {CUDA_TOKEN_BUDGET} on CUDA"})
-    # Stage 05: the prefix cache.
+    # The prefix cache.
     prefix_cache: str = field(default="hash", metadata={
         "help": "how cached blocks are found: a chained SHA-256 per block, a radix tree of token blocks, or off",
         "choices": ["hash", "radix", "off"]})
-    # Stage 07: CUDA graphs.
+    # CUDA graphs.
     enforce_eager: bool = field(default=False, metadata={
         "help": "never capture CUDA graphs: every step launches its kernels one by one, as in stage 06"})

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 if TYPE_CHECKING:
-    from .engine import EngineStats
+    from .stats import EngineStats
 
 disable_created_metrics()  # no *_created series: they only add noise to a course server's output
 
@@ -36,7 +36,7 @@ class Metrics:
                                    registry=r)
         self.kv_blocks_used = Gauge("llm_kv_blocks_used", "KV-cache blocks held by sequences.", registry=r)
         self.kv_blocks_free = Gauge("llm_kv_blocks_free", "KV-cache blocks on the free list.", registry=r)
-        # Stage 05: the prefix cache. Counted in tokens, as vLLM does: hits / queries is the hit rate.
+        # The prefix cache, counted in tokens as vLLM does: hits / queries is the hit rate.
         self.prefix_cache_queries = Counter("llm_prefix_cache_queries", "Prompt tokens looked up in the prefix "
                                             "cache at admission.", registry=r)
         self.prefix_cache_hits = Counter("llm_prefix_cache_hits", "Prompt tokens found in the prefix cache "
@@ -55,6 +55,12 @@ class Metrics:
         self.kv_blocks_free.set_function(lambda: stats().kv_blocks.free)
         self.kv_blocks_cached.set_function(lambda: stats().kv_blocks.cached)
         self.kv_blocks_evictable.set_function(lambda: stats().kv_blocks.evictable)
+
+    def count(self, before: EngineStats, after: EngineStats) -> None:
+        """Move the counters by what the engine counted between two of its snapshots."""
+        self.preemptions.inc(after.preemptions - before.preemptions)
+        self.prefix_cache_queries.inc(after.prefix_cache.queries - before.prefix_cache.queries)
+        self.prefix_cache_hits.inc(after.prefix_cache.hits - before.prefix_cache.hits)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,4 +1,4 @@
-"""The model runner, in two halves: ``prepare`` a scheduled batch as plain numbers, ``execute`` it.
+"""The model runner: ``prepare`` a scheduled batch as plain numbers, ``execute`` it eagerly or from static buffers.
 
 The model takes one step's tokens laid end to end, ``input_ids: [T]`` and ``positions: [T]``, with
 no padding. One step mixes both kinds of rows: every decoding sequence contributes its one new token,
@@ -9,7 +9,7 @@ and every sequence being prefilled its chunk, the ``num_scheduled_tokens`` token
     query_start_loc  0    1    2    3                   9          12
     seq_lens        41   17   90   16 + 6 = 22         0 + 3 = 3  (cached + new)
 
-New in stage 07: a step where every row is one token (a decode step, the most common kind) runs
+A step where every row is one token (a decode step, the most common kind) runs
 from **static buffers**: tensors allocated once, at fixed addresses, sized for the largest batch.
 The step's numbers are copied into their first rows and the rest is padding that writes nothing
 (slot -1) and reads nothing (context length 0). The batch size is rounded up to a *bucket* (1, 2,
@@ -27,13 +27,12 @@ launch from the CPU instead of some 1,400. Replay reads whatever the static buff
 why they never move and why their shapes (the table width too) never change. On a CPU nothing is
 captured: the same buffers, buckets and padding run eagerly, so every CPU test exercises them.
 
-Mixed and prefill steps, and steps that score prompts (echo), run as in stage 06: their shapes
-change every step.
+Mixed and prefill steps, and steps that score prompts (echo), run eagerly, with tensors built for the
+step (``run_eager``): their shapes change every step.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from bisect import bisect_left
 from dataclasses import dataclass
@@ -42,12 +41,10 @@ from itertools import pairwise
 import torch
 
 from .attention import AttentionMetadata, use_triton
-from .block_manager import BlockManager
+from .block_manager import token_slots
 from .kv_cache import KVCache
 from .model import LlamaForCausalLM
 from .scheduler import Batch
-
-log = logging.getLogger("llm-course")
 
 
 @dataclass
@@ -158,11 +155,11 @@ class StaticBuffers:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_manager: BlockManager,
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int,
                  device: torch.device, max_num_seqs: int, max_model_len: int) -> None:
         self.model = model
         self.kv_cache = kv_cache
-        self.block_manager = block_manager
+        self.block_size = block_size
         self.device = device
         self.sizes = graph_batch_sizes(max_num_seqs)  # the decode buckets, smallest first
         width = -(-max_model_len // kv_cache.shape.block_size)  # blocks of the longest possible sequence
@@ -186,7 +183,7 @@ class ModelRunner:
             end = start + seq.num_scheduled_tokens  # a decode: end - start == 1; a chunk: part of the prompt
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            slot_mapping.extend(self.block_manager.slot_mapping(seq.block_table, start, end))
+            slot_mapping.extend(token_slots(seq.block_table, self.block_size, start, end))
             query_start_loc.append(query_start_loc[-1] + end - start)
             seq_lens.append(end)  # what its queries see: everything cached, and this step's tokens
             if seq.samples_next_token:
@@ -205,8 +202,8 @@ class ModelRunner:
         return torch.tensor(values, dtype=dtype, device=self.device)
 
     def bucket(self, step: StepInput) -> int | None:
-        """The bucket a step runs in from the static buffers, or None: it runs eagerly, as in stage 06
-        (a prompt chunk of more than one token, prompt scoring, or more rows than the largest bucket)."""
+        """The bucket a step runs in from the static buffers, or None: it runs eagerly (a prompt chunk of
+        more than one token, prompt scoring, or more rows than the largest bucket)."""
         one_token_each = len(step.input_ids) == len(step.seq_lens)  # T == B: every row is one token
         if not one_token_each or step.prompt_logits_indices:
             return None
@@ -246,7 +243,7 @@ class ModelRunner:
         buffers.hidden[:size].copy_(hidden)
 
     def run_eager(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Any step, with tensors built for it: stage 06's path, for prompt chunks and mixed steps."""
+        """Any step, with tensors built for it: the path of prompt chunks, mixed steps and prompt scoring."""
         query_lens = [end - start for start, end in pairwise(step.query_start_loc)]
         meta = AttentionMetadata(
             slot_mapping=self._tensor(step.slot_mapping, torch.int64),

@@ -9,11 +9,12 @@ from common.device import DeviceUnavailable
 from common.limits import Limits, add_limit_args
 from common.trace import Tracer, add_trace_args
 
+from .async_engine import AsyncEngine
 from .config import EngineConfig
-from .engine import AsyncEngine, Engine
-from .proposer import Proposal
+from .engine import Engine
 from .sampler import SamplingParams
 from .sequence import Sequence
+from .speculative import Proposal
 
 CODE = """def area(width, height):
     return width * height
@@ -47,7 +48,7 @@ def show_steps(engine: Engine, prompt_ids: list[int], max_tokens: int) -> None:
     step = 0
     while engine.has_unfinished():
         recorder.last = []
-        for output in engine.step():
+        for output in engine.step().outputs:
             step += 1
             guesses = recorder.last[0].token_ids if recorder.last else []
             j = len(output.token_ids) - 1  # greedy: the first j guesses were kept, then the model's own token
@@ -68,11 +69,11 @@ def demo(engine: Engine, max_tokens: int) -> None:
     results = {}
     for label, guessing in (("with guesses", proposer), ("without", None)):
         engine.proposer = guessing
-        before = engine.speculation
+        before = engine.stats().speculation
         started = time.perf_counter()
-        outputs = [engine.generate([ids], params)[0] for ids in prompts]  # one at a time: concurrency 1
+        outputs = [engine.generate_offline([ids], params)[0] for ids in prompts]  # one at a time: concurrency 1
         seconds = time.perf_counter() - started
-        accepted = engine.speculation.accepted - before.accepted
+        accepted = engine.stats().speculation.accepted - before.accepted
         results[label] = outputs
         print(f"\n{label}: {sum(map(len, outputs))} tokens in {seconds:.1f} s "
               f"({sum(map(len, outputs)) / seconds:.1f} tokens/s), {accepted} of them accepted guesses")

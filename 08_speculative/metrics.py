@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 if TYPE_CHECKING:
-    from .engine import EngineStats
+    from .stats import EngineStats
 
 disable_created_metrics()  # no *_created series: they only add noise to a course server's output
 
@@ -36,7 +36,7 @@ class Metrics:
                                    registry=r)
         self.kv_blocks_used = Gauge("llm_kv_blocks_used", "KV-cache blocks held by sequences.", registry=r)
         self.kv_blocks_free = Gauge("llm_kv_blocks_free", "KV-cache blocks on the free list.", registry=r)
-        # Stage 05: the prefix cache. Counted in tokens, as vLLM does: hits / queries is the hit rate.
+        # The prefix cache, counted in tokens as vLLM does: hits / queries is the hit rate.
         self.prefix_cache_queries = Counter("llm_prefix_cache_queries", "Prompt tokens looked up in the prefix "
                                             "cache at admission.", registry=r)
         self.prefix_cache_hits = Counter("llm_prefix_cache_hits", "Prompt tokens found in the prefix cache "
@@ -47,7 +47,7 @@ class Metrics:
                                          "prefix cache still finds (reused last, least recently used first).",
                                          registry=r)
 
-        # Stage 08: speculative decoding. accepted / proposed is the acceptance rate.
+        # Speculative decoding: accepted / proposed is the acceptance rate.
         self.spec_proposed_tokens = Counter("llm_spec_proposed_tokens", "Guessed tokens checked by the model.",
                                             registry=r)
         self.spec_accepted_tokens = Counter("llm_spec_accepted_tokens", "Guessed tokens the model agreed with (each "
@@ -67,6 +67,19 @@ class Metrics:
         self.kv_blocks_cached.set_function(lambda: stats().kv_blocks.cached)
         self.kv_blocks_evictable.set_function(lambda: stats().kv_blocks.evictable)
         self.spec_acceptance_rate.set_function(lambda: stats().speculation.acceptance_rate)
+
+    def count(self, before: EngineStats, after: EngineStats) -> None:
+        """Move the counters by what the engine counted between two of its snapshots."""
+        self.preemptions.inc(after.preemptions - before.preemptions)
+        self.prefix_cache_queries.inc(after.prefix_cache.queries - before.prefix_cache.queries)
+        self.prefix_cache_hits.inc(after.prefix_cache.hits - before.prefix_cache.hits)
+        self.spec_proposed_tokens.inc(after.speculation.proposed - before.speculation.proposed)
+        self.spec_accepted_tokens.inc(after.speculation.accepted - before.speculation.accepted)
+
+    def count_verifications(self, accepted_lengths: list[int]) -> None:
+        """One step's verifications: the guesses each kept."""
+        for length in accepted_lengths:
+            self.spec_accepted_length.observe(length)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -40,6 +40,15 @@ ACCEPTANCE_WEIGHT = 0.25  # the weight of the newest run in the running acceptan
 
 
 @dataclass
+class Proposal:
+    """A sequence's guesses for one step, and the distributions they were drawn from (None: no distribution,
+    as for n-gram guesses, or a greedy draft: then acceptance needs only the tokens)."""
+
+    token_ids: list[int]
+    probs: torch.Tensor | None = None  # [len(token_ids), V]
+
+
+@dataclass
 class Speculation:
     """One sequence's speculation: how many tokens it may guess, and whether its guesses have been paying."""
 

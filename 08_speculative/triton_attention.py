@@ -281,7 +281,7 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride
     in_splits, in_head = offs_s < num_splits, offs_d < HEAD_DIM
     part = (seq * tl.num_programs(1) + head).to(tl.int64) * num_splits + offs_s
     lse = tl.load(part_lse_ptr + part, mask=in_splits, other=float("-inf"))  # [SPLITS_PAD]
-    # A padding row (context length 0, stage 07's buckets) has no key in any split: every lse is -inf, and
+    # A bucket's padding row (context length 0) has no key in any split: every lse is -inf, and
     # -inf - -inf would be NaN. Its largest lse is taken as 0 instead, so every weight is 0 and out is 0.
     largest = tl.max(lse, axis=0)
     largest = tl.where(largest == float("-inf"), 0.0, largest)

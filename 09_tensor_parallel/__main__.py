@@ -12,20 +12,22 @@ import time
 from dataclasses import replace
 
 from common.cli import DEMO_PROMPTS, config_from_args, served_name, stage_parser
-from common.device import DeviceUnavailable
+from common.device import DeviceUnavailable, pick_device
 from common.limits import Limits, add_limit_args
 from common.trace import Tracer, add_trace_args
 
+from .async_engine import AsyncEngine
 from .config import EngineConfig
 from .distributed import under_torchrun
-from .engine import AsyncEngine, Engine, run_worker
+from .engine import Engine, token_budget
+from .rank import run_worker
 from .sampler import SamplingParams
 
 
 def answer(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
     """Every prompt, greedy, in one batch: the answers and the seconds they took."""
     started = time.perf_counter()
-    answers = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    answers = engine.generate_offline(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
     return answers, time.perf_counter() - started
 
 
@@ -62,7 +64,7 @@ def main() -> None:
     args = parser.parse_args()
     config = config_from_args(EngineConfig, args)
     if under_torchrun() and int(os.environ["RANK"]) > 0:  # torchrun started this process as a worker
-        run_worker(int(os.environ["RANK"]), "env://", config)
+        run_worker(int(os.environ["RANK"]), "env://", config, token_budget(config, pick_device(config.device)))
         return
     try:
         engine = Engine(config)

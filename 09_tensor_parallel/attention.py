@@ -1,6 +1,6 @@
 """Paged attention: one interface, two implementations.
 
-Keys and values no longer live in one tensor per request. Each layer has a pool of fixed-size
+Keys and values do not live in one tensor per request: each layer has a pool of fixed-size
 blocks, ``[num_blocks, block_size, num_kv_heads, head_dim]`` for K and the same for V, and a
 sequence's tokens are scattered over the blocks its *block table* lists::
 
@@ -9,8 +9,9 @@ sequence's tokens are scattered over the blocks its *block table* lists::
 
 Every step has one shape, *extend*: each sequence adds ``query_len`` new tokens to the
 ``seq_len - query_len`` it already has in the cache. A prompt's prefill is (0 cached, n new), a decode
-step (L, 1); later stages add a prefix-cache hit (h, n - h), a prefill chunk (c, m) and a speculative
-check (L, k + 1), all without a new kind of attention. Attention therefore does three things:
+step (L, 1); the same shape holds a prompt whose first h tokens are cached (h, n - h), a prefill chunk
+(c, m) and a speculative check (L, k + 1), with no new kind of attention. Attention therefore does
+three things:
 
 1. ``write_kv``: store this step's new K and V in their slots (the *slot mapping* lists them; a slot
    of -1 means "write nothing", for rows that are only padding).
@@ -86,7 +87,7 @@ def length_groups(seq_lens: torch.Tensor, shortest: int = 256) -> list[torch.Ten
     at most half of it. Rows of length 0 are in none."""
     lengths, order = torch.sort(seq_lens)
     ### BEGIN SOLUTION 7.2
-    real = lengths > 0  # a padding row (stage 07's buckets) has context length 0: it joins no group
+    real = lengths > 0  # a bucket's padding row has context length 0: it joins no group
     lengths, order = lengths[real], order[real]
     if len(lengths) == 0:
         return []
@@ -108,7 +109,7 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     masked attention, no Python loop over the sequences. Padding costs as much as real keys, so
     sequences of very different lengths (one 3,000-token document among 200-token chats) do not
     share one layout: they go in groups of similar length, each padded to its own longest. A row of
-    context length 0 (padding, in stage 07's buckets) is in no group and its output stays zero."""
+    context length 0 (a padding row of a bucket) is in no group and its output stays zero."""
     # q: [B, H, D]; caches: [N, S, Hkv, D]; block_tables: [B, max_blocks]; seq_lens: [B] -> [B, H, D]
     out = torch.zeros_like(q)
     block_size = k_cache.shape[1]
@@ -132,7 +133,7 @@ def extend_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     what this step just wrote. New token i of a sequence sits at position seq_len - query_len + i and
     sees every position up to its own.
 
-    A mixed step (stage 06) is mostly decode rows and a few prompt chunks: the decode rows (one new
+    A mixed step is mostly decode rows and a few prompt chunks: the decode rows (one new
     token) go through ``decode_attention_reference`` together, the chunks one at a time."""
     # q: [T, H, D]; caches: [N, S, Hkv, D] -> out: [T, H, D]
     out = torch.empty_like(q)

@@ -1,9 +1,9 @@
 """The ranks of a tensor-parallel engine: how they start, talk and stop.
 
-Stage 09 runs one model on N processes, the *ranks*. Rank 0 is the engine the server talks to: it
-schedules, samples and answers. Ranks 1 .. N-1 are *workers*: each holds its slice of every layer
-(``parallel.py``) and runs whatever step rank 0 sends it. The ranks form one process group and talk
-through collectives, the same calls on CPUs and GPUs; only the backend differs:
+A tensor-parallel engine runs one model on N processes, the *ranks*. Rank 0 is the engine the server
+talks to: it schedules, samples and answers. Ranks 1 .. N-1 are *workers*, model runners only: each
+holds its slice of every layer (``parallel.py``) and runs whatever step rank 0 sends it. The ranks form
+one process group and talk through collectives, the same calls on CPUs and GPUs; only the backend differs:
 
     gloo   CPU tensors, over TCP (here: loopback between processes on one machine)
     nccl   GPU tensors, over NVLink or InfiniBand, launched by the GPUs themselves (and capturable in a graph)
@@ -14,10 +14,11 @@ Two ways to start them:
     torchrun --nproc-per-node 2 -m 09_tensor_parallel ...     torchrun starts every rank (on one machine or
                                                               several); each finds the others through env://
 
-Each step rank 0 *broadcasts* the step's plain numbers (a ``StepInput``) and every rank runs the same
-forward pass on its own slices; the collectives inside the model keep them in step. That control message
-goes through a second, gloo-only group, pickled: it is a few kilobytes of Python lists, and on a GPU
-machine it must not wait behind NCCL kernels.
+Every rank starts up the same way (``rank.py``). Then each step rank 0 *broadcasts* the step's plain
+numbers (a ``StepInput``) and every rank runs the same forward pass on its own slices; the collectives inside
+the model keep them in step; ``Stop`` is the last message. These control messages go through a second,
+gloo-only group, pickled: a step is a few kilobytes of Python lists, and on a GPU machine it must not wait
+behind NCCL kernels.
 
 Timeouts say when waiting means a rank is gone or stuck. Each process sets its own: rank 0 and the forward
 pass's collectives wait ``--dist-timeout`` seconds at most (gloo's broadcast waits until the receiver
@@ -32,7 +33,8 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -129,6 +131,66 @@ def join(rank: int, size: int, init_method: str, device: torch.device, timeout_s
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s) if rank == 0 else IDLE_TIMEOUT)
     startup = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     return TPGroup(rank, size, group, control, startup, local_rank, threads_before if device.type == "cpu" else 0)
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Rank 0's last message: the workers leave their loop (and their process)."""
+
+
+@dataclass
+class Ranks:
+    """Rank 0's side of the group: its place in it, and the worker processes it started (none under torchrun,
+    which starts every rank itself and watches them). One rank: no group, no workers, nothing to send."""
+
+    tp: TPGroup = SINGLE
+    workers: list[BaseProcess] = field(default_factory=list)  # ranks 1 .. N-1, when this process started them
+
+    def send(self, message: Any) -> None:
+        """Every worker receives ``message``: a step to run (``StepInput``), or ``Stop``."""
+        if self.tp.size == 1:
+            return
+        try:
+            self.tp.broadcast(message)
+        except Exception as exc:  # a worker is gone or stuck: the ranks can no longer be in step
+            raise RanksOutOfStep(f"rank 0: {type(exc).__name__}: {exc}") from exc
+
+    def exited(self) -> str | None:
+        """Which worker this process started has exited, and how; None while every one runs."""
+        for rank, worker in enumerate(self.workers, start=1):
+            if not worker.is_alive():
+                return f"tensor-parallel rank {rank} exited (exit code {worker.exitcode})"
+        return None
+
+    def stop(self, graceful: bool = True) -> None:
+        """Stop every worker and leave none behind: ``graceful``, tell them and give them time to leave; after a
+        failure (the ranks out of step, one gone or stuck), terminate them at once. Idempotent."""
+        if self.tp.size == 1:
+            return
+        if graceful and self.exited() is None:
+            try:
+                self.send(Stop())
+            except RanksOutOfStep as exc:  # a rank is gone: there is nobody left to tell
+                log.warning("could not tell the other ranks to stop: %s", exc)
+        stop_workers(self.workers, timeout_s=10.0 if graceful else 0.0)
+        self.tp.close()
+        self.tp, self.workers = SINGLE, []
+
+
+def start_ranks(size: int, device: torch.device, timeout_s: float, worker: Callable[..., None],
+                args: tuple[Any, ...]) -> Ranks:
+    """Rank 0: start ranks 1 .. size-1 running ``worker(rank, init_method, *args)`` and join them in one process
+    group (under torchrun they were started beside this process, and env:// says where to meet)."""
+    if under_torchrun():
+        if int(os.environ["WORLD_SIZE"]) != size:
+            raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} processes: pass --tensor-parallel-size "
+                             f"{os.environ['WORLD_SIZE']}")
+        return Ranks(join(int(os.environ["RANK"]), size, "env://", device, timeout_s,
+                          local_rank=int(os.environ.get("LOCAL_RANK", 0))))
+    if size == 1:
+        return Ranks()
+    init_method, workers = spawn_workers(size, worker, args)
+    return Ranks(join(0, size, init_method, device, timeout_s), workers)
 
 
 def under_torchrun() -> bool:

@@ -1,8 +1,8 @@
-"""A Llama-family decoder (Llama, Qwen2, Mistral) whose attention reads the paged KV cache.
+"""A tensor-parallel Llama-family decoder (Llama, Qwen2, Mistral) whose attention reads the paged KV cache.
 
-Up to stage 02, Hugging Face ran the model and kept its own cache. Here the model is ours, so that
-every layer can hand its keys and values to ``paged_attention`` and the pool of blocks. It computes
-what Hugging Face computes (the tests compare the logits), in about the same number of lines:
+The model is ours, not Hugging Face's, so that every layer can hand its keys and values to
+``paged_attention`` and the pool of blocks. It computes what Hugging Face computes (the tests
+compare the logits), in about the same number of lines:
 
     token ids [T] -> embed -> N x (x + attention(norm(x)), then x + mlp(norm(x))) -> hidden [T, hidden]
     hidden rows the engine needs [N, hidden] -> norm -> lm_head -> logits [N, vocab]
@@ -14,7 +14,7 @@ business; everything else in the model works token by token and never needs to k
 Module names follow Hugging Face's (``model.layers.0.self_attn.q_proj``, ...), so loading a
 checkpoint is a plain ``load_state_dict`` of its safetensors.
 
-New in stage 09: every layer with a weight matrix is a parallel layer (``parallel.py``), built for this
+Every layer with a weight matrix is a parallel layer (``parallel.py``), built for this
 process's rank of ``tp``: q/k/v and gate/up column-parallel, o_proj and down_proj row-parallel (an
 all-reduce each), the embedding and the output projection split by vocabulary. Each rank loads only its
 own slices of the checkpoint. With one rank (``tp.size`` 1) every slice is the whole tensor and every
@@ -352,7 +352,7 @@ class LlamaForCausalLM(nn.Module):
     def from_pretrained(cls, model_dir: Path, dtype: torch.dtype, device: torch.device,
                         tp: TPGroup = SINGLE) -> LlamaForCausalLM:
         """Build the model from ``config.json`` and load every ``*.safetensors`` file of the folder, strictly:
-        this rank's slices of them (stage 09), read straight from the files."""
+        this rank's slices of them, read straight from the files."""
         model_dir = Path(model_dir)
         config = ModelConfig.from_pretrained(model_dir)
         config.check_tensor_parallel_size(tp.size)

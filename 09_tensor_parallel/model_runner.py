@@ -1,15 +1,15 @@
-"""The model runner, in two halves: ``prepare`` a scheduled batch as plain numbers, ``execute`` it.
+"""The model runner, one per rank: ``prepare`` a batch as plain numbers (rank 0), ``execute`` it (every rank).
 
 The model takes one step's tokens laid end to end, ``input_ids: [T]`` and ``positions: [T]``, with
-no padding. One step mixes both kinds of rows: every decoding sequence contributes its one new token,
-and every sequence being prefilled its chunk, the ``num_scheduled_tokens`` tokens after the
-``num_computed_tokens`` already in the cache (its cached prefix and its earlier chunks)::
+no padding. One step mixes both kinds of rows: every decoding sequence contributes its new token (and
+its guesses, below), and every sequence being prefilled its chunk, the ``num_scheduled_tokens`` tokens
+after the ``num_computed_tokens`` already in the cache (its cached prefix and its earlier chunks)::
 
     tokens   | d0 | d1 | d2 | p0 p0 p0 p0 p0 p0 | p1 p1 p1 |      3 decodes, 2 chunks: T = 12
     query_start_loc  0    1    2    3                   9          12
     seq_lens        41   17   90   16 + 6 = 22         0 + 3 = 3  (cached + new)
 
-New in stage 07: a step where every row is one token (a decode step, the most common kind) runs
+A step where every row is one token (a decode step, the most common kind) runs
 from **static buffers**: tensors allocated once, at fixed addresses, sized for the largest batch.
 The step's numbers are copied into their first rows and the rest is padding that writes nothing
 (slot -1) and reads nothing (context length 0). The batch size is rounded up to a *bucket* (1, 2,
@@ -27,23 +27,22 @@ launch from the CPU instead of some 1,400. Replay reads whatever the static buff
 why they never move and why their shapes (the table width too) never change. On a CPU nothing is
 captured: the same buffers, buckets and padding run eagerly, so every CPU test exercises them.
 
-Mixed and prefill steps, and steps that score prompts (echo), run as in stage 06: their shapes
-change every step.
+Mixed and prefill steps, and steps that score prompts (echo), run eagerly, with tensors built for the
+step (``run_eager``): their shapes change every step.
 
-New in stage 08: a decoding sequence may bring guesses (``draft_ids``), run right after its last token
+A decoding sequence may bring guesses (``draft_ids``), run right after its last token
 as a short chunk of 1 + k rows, and every one of those rows gets logits, for verification. A step with
 guesses has rows of several tokens, so it runs eagerly, not from the static buffers.
 
-New in stage 09: with tensor parallelism every rank has a runner, and only rank 0's is given steps.
-``execute`` broadcasts each step to the other ranks, whose runners wait for it in ``serve``; then every
-rank runs the same forward pass on its own slices of the model (the model's collectives keep them in
-step), and the logits, gathered, arrive on rank 0 only. The ranks never send each other the step's
-input tensors: its plain numbers are a few kilobytes, and each rank builds its own tensors from them.
+With tensor parallelism every rank has a runner, and rank 0 sends each step to the others before
+running it itself (``rank.py``); every rank runs the same forward pass on its own slices of the model
+(the model's collectives keep them in step), and the logits, gathered, arrive on rank 0 only. The ranks
+never send each other the step's input tensors: its plain numbers are a few kilobytes, and each rank
+builds its own tensors from them.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from bisect import bisect_left
 from dataclasses import dataclass
@@ -52,13 +51,11 @@ from itertools import pairwise
 import torch
 
 from .attention import AttentionMetadata, use_triton
-from .block_manager import BlockManager
+from .block_manager import token_slots
 from .distributed import RanksOutOfStep, TPGroup
 from .kv_cache import KVCache
 from .model import LlamaForCausalLM
 from .scheduler import Batch
-
-log = logging.getLogger("llm-course")
 
 
 @dataclass
@@ -169,11 +166,11 @@ class StaticBuffers:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_manager: BlockManager,
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int,
                  device: torch.device, max_num_seqs: int, max_model_len: int) -> None:
         self.model = model
         self.kv_cache = kv_cache
-        self.block_manager = block_manager
+        self.block_size = block_size
         self.device = device
         self.sizes = graph_batch_sizes(max_num_seqs)  # the decode buckets, smallest first
         width = -(-max_model_len // kv_cache.shape.block_size)  # blocks of the longest possible sequence
@@ -198,10 +195,10 @@ class ModelRunner:
             end = start + seq.num_scheduled_tokens  # a decode: 1 + k (its guesses); a chunk: part of the prompt
             input_ids.extend((seq.token_ids + seq.draft_ids)[start:end])
             positions.extend(range(start, end))
-            slot_mapping.extend(self.block_manager.slot_mapping(seq.block_table, start, end))
+            slot_mapping.extend(token_slots(seq.block_table, self.block_size, start, end))
             query_start_loc.append(query_start_loc[-1] + end - start)
             seq_lens.append(end)  # what its queries see: everything cached, and this step's tokens
-            if seq.samples_next_token:  # its last token's row, and one row per guess (stage 08)
+            if seq.samples_next_token:  # its last token's row, and one row per guess
                 logits_indices.extend(range(query_start_loc[-1] - 1 - len(seq.draft_ids), query_start_loc[-1]))
             ### END SOLUTION
             # Prompt logprobs (echo): the row at position p predicts prompt token p + 1, for p < len(prompt) - 1.
@@ -217,8 +214,8 @@ class ModelRunner:
         return torch.tensor(values, dtype=dtype, device=self.device)
 
     def bucket(self, step: StepInput) -> int | None:
-        """The bucket a step runs in from the static buffers, or None: it runs eagerly, as in stage 06
-        (a prompt chunk of more than one token, prompt scoring, or more rows than the largest bucket)."""
+        """The bucket a step runs in from the static buffers, or None: it runs eagerly (a prompt chunk of
+        more than one token, a sequence's guesses, prompt scoring, or more rows than the largest bucket)."""
         one_token_each = len(step.input_ids) == len(step.seq_lens)  # T == B: every row is one token
         if not one_token_each or step.prompt_logits_indices:
             return None
@@ -226,16 +223,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """One forward pass for the whole step, on every rank: rank 0 sends the step to the others first.
+        """This rank's part of one forward pass for the whole step (every rank runs the same step).
 
-        Returns the logits of the last token of each sequence that samples and of its guesses (stage 08),
+        Returns the logits of the last token of each sequence that samples and of its guesses,
         [R, V] (R may be 0: a step of mid-prompt chunks only), and the logits of the prompt rows that score
         prompts, [M, V] (None when no sequence asked). Only those rows go through the output projection, and
-        separately, so that nobody's sampled token depends on them. On ranks > 0 (at start-up, when every
-        rank runs the same warm-up steps) ``step`` is rank 0's, received, and the logits are None.
+        separately, so that nobody's sampled token depends on them. On ranks > 0 the logits are None: rank 0
+        gathers them.
         """
         try:
-            step = self.tp.broadcast(step)  # rank 0: send it; the others: receive it (at start-up)
             return self.run_step(step)
         except Exception as exc:
             if self.tp.size == 1:
@@ -243,13 +239,6 @@ class ModelRunner:
             # The other ranks are inside some collective this one will never join (or one of them is gone):
             # the ranks are out of step for good, and the engine cannot go on.
             raise RanksOutOfStep(f"rank {self.tp.rank}: {type(exc).__name__}: {exc}") from exc
-
-    @torch.inference_mode()
-    def serve(self) -> None:
-        """Ranks > 0: run every step rank 0 broadcasts, until it broadcasts None (stop)."""
-        assert self.tp.rank > 0, "rank 0 schedules the steps; the other ranks serve them"
-        while (step := self.tp.broadcast(None)) is not None:
-            self.run_step(step)
 
     def run_step(self, step: StepInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """This rank's part of the step: from the static buffers when it fits a bucket, else eagerly."""
@@ -278,7 +267,7 @@ class ModelRunner:
         buffers.hidden[:size].copy_(hidden)
 
     def run_eager(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Any step, with tensors built for it: stage 06's path, for prompt chunks and mixed steps."""
+        """Any step, with tensors built for it: the path of prompt chunks, guesses, mixed steps and prompt scoring."""
         query_lens = [end - start for start, end in pairwise(step.query_start_loc)]
         meta = AttentionMetadata(
             slot_mapping=self._tensor(step.slot_mapping, torch.int64),

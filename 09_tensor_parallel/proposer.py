@@ -17,29 +17,19 @@ proposers, one interface (``propose(seqs, ks)``: up to ``ks[i]`` tokens for ``se
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from .block_manager import BlockManager
+from .block_manager import token_slots
 from .kv_cache import KVCache
 from .model import LlamaForCausalLM
 from .model_runner import ModelRunner, StepInput
 from .sampler import apply_penalties, logits_to_probs
 from .sequence import Sequence
-from .speculative import draw
-
-
-@dataclass
-class Proposal:
-    """A sequence's guesses for one step, and the distributions they were drawn from (None: no distribution,
-    as for n-gram guesses, or a greedy draft: then acceptance needs only the tokens)."""
-
-    token_ids: list[int]
-    probs: torch.Tensor | None = None  # [len(token_ids), V]
-
+from .speculative import Proposal, draw
 
 # --- n-gram prompt lookup ---------------------------------------------------------------------------------
 
@@ -108,12 +98,12 @@ class DraftProposer:
     guesses nothing until it has caught up). Its guesses' K/V are written past the accepted tokens
     and simply overwritten later, as the target's are."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_manager: BlockManager,
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int,
                  device: torch.device, max_num_seqs: int, max_model_len: int, max_catch_up: int) -> None:
         self.model = model
         self.kv_cache = kv_cache
-        self.block_manager = block_manager
-        self.runner = ModelRunner(model, kv_cache, block_manager, device, max_num_seqs, max_model_len)
+        self.block_size = block_size
+        self.runner = ModelRunner(model, kv_cache, block_size, device, max_num_seqs, max_model_len)
         self.max_catch_up = max_catch_up
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
@@ -167,7 +157,7 @@ class DraftProposer:
             end = start + len(tokens)
             step.input_ids += tokens
             step.positions += range(start, end)
-            step.slot_mapping += self.block_manager.slot_mapping(seq.block_table, start, end)
+            step.slot_mapping += token_slots(seq.block_table, self.block_size, start, end)
             step.query_start_loc.append(step.query_start_loc[-1] + len(tokens))
             step.seq_lens.append(end)
             step.logits_indices.append(step.query_start_loc[-1] - 1)

@@ -146,7 +146,7 @@ def engine01(model_dir: Path):
 @contextmanager
 def serve_stage(folder: str, engine, limits: Limits | None = None, tracer: Tracer = NO_TRACE) -> Iterator[LiveServer]:
     """A FastAPI stage (02 on) serving ``engine`` on a free port; ``server.engine`` is its AsyncEngine."""
-    async_engine = stage(folder, "engine").AsyncEngine(engine)
+    async_engine = stage(folder, "async_engine").AsyncEngine(engine)
     app = stage(folder, "server").create_app(async_engine, "smollm2-135m-instruct", limits, tracer)
     with start_fastapi(app) as server:
         server.engine = async_engine

@@ -22,6 +22,7 @@ from .prompts import EMOJI_PROMPT, TEXT_PROMPTS
 sampler = stage("02_streaming", "sampler")
 sequence = stage("02_streaming", "sequence")
 engine_module = stage("02_streaming", "engine")
+async_engine_module = stage("02_streaming", "async_engine")
 server_module = stage("02_streaming", "server")
 MODEL = "smollm2-135m-instruct"
 
@@ -304,7 +305,7 @@ def test_disconnect_while_waiting_and_while_not_streaming(server02):
 @pytest.mark.exercise("2.3")
 @pytest.mark.parametrize(("state", "after"), [("waiting", "aborted"), ("running", "aborted"), ("finished", "finished")])
 def test_abort_depends_on_where_the_request_is(engine02, state, after):
-    async_engine = engine_module.AsyncEngine(engine02)  # thread not started: we call _abort by hand
+    async_engine = async_engine_module.AsyncEngine(engine02)  # thread not started: we call _abort by hand
     if state == "waiting":
         async_engine.metrics.waiting.inc()  # as AsyncEngine.generate counted it when it queued the request
     loop = asyncio.new_event_loop()
@@ -317,7 +318,7 @@ def test_abort_depends_on_where_the_request_is(engine02, state, after):
 
 @pytest.mark.exercise("2.3")
 def test_consumers_that_leave_free_the_engine(engine02):
-    async_engine = engine_module.AsyncEngine(engine02)
+    async_engine = async_engine_module.AsyncEngine(engine02)
     metric = async_engine.metrics.registry.get_sample_value
     params = sampler.SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
     first, second = engine02.encode("A"), engine02.encode("B B")

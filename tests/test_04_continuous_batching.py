@@ -47,7 +47,7 @@ def mixed(engine04, hf_greedy) -> list[tuple[list[int], list[int]]]:
 
 
 def test_a_batch_of_16_mixed_prompts_equals_hf_on_each_alone(engine04, mixed):
-    outputs = engine04.generate([ids for ids, _ in mixed], greedy(24))
+    outputs = engine04.generate_offline([ids for ids, _ in mixed], greedy(24))
     for (ids, expected), ours in zip(mixed, outputs, strict=True):
         assert ours == expected, engine04.tokenizer.decode(ids)
     assert engine04.block_manager.num_used == 0 and not engine04.has_unfinished()
@@ -64,7 +64,7 @@ def test_requests_that_join_mid_way_still_equal_hf(engine04, mixed):
             outputs[f"late-{i}"] = []
         if not engine04.has_unfinished():
             break
-        step_outputs = engine04.step()
+        step_outputs = engine04.step().outputs
         batch_sizes.append(len(step_outputs))
         for output in step_outputs:
             outputs[output.request_id].extend(output.token_ids)
@@ -78,7 +78,7 @@ def test_preemption_by_recomputation_keeps_every_output_exact(model_dir, mixed):
     assert engine.block_manager.num_blocks == 7
     prompts = [(ids, expected) for ids, expected in mixed if len(ids) + 24 <= 48][:8]
     assert len(prompts) == 8
-    outputs = engine.generate([ids for ids, _ in prompts], greedy(24))
+    outputs = engine.generate_offline([ids for ids, _ in prompts], greedy(24))
     assert engine.scheduler.num_preemptions > 0
     assert outputs == [expected for _, expected in prompts]
     assert engine.block_manager.num_used == 0
@@ -87,11 +87,13 @@ def test_preemption_by_recomputation_keeps_every_output_exact(model_dir, mixed):
 def test_a_seeded_request_gives_the_same_text_whatever_its_batch(engine04):
     prompt = engine04.encode("Once upon a time")
     params = sampler.SamplingParams(max_tokens=16, temperature=0.8, top_k=50, top_p=0.9, seed=7)
-    alone = engine04.generate([prompt], params)[0]
+    alone = engine04.generate_offline([prompt], params)[0]
     others = [sampler.SamplingParams(max_tokens=n, temperature=1.0, seed=None) for n in (4, 20, 9)]
-    in_batch = engine04.generate([engine04.encode(p) for p in TEXT_PROMPTS[:3]] + [prompt], [*others, params])[-1]
+    batch = [engine04.encode(p) for p in TEXT_PROMPTS[:3]] + [prompt]
+    in_batch = engine04.generate_offline(batch, [*others, params])[-1]
     assert in_batch == alone
-    assert engine04.generate([prompt], sampler.SamplingParams(max_tokens=16, temperature=0.8, seed=8))[0] != alone
+    other_seed = sampler.SamplingParams(max_tokens=16, temperature=0.8, seed=8)
+    assert engine04.generate_offline([prompt], other_seed)[0] != alone
 
 
 # --- the end of a sequence: EOS, max_tokens, stop strings (exercise 4.4) ------------------------------
@@ -105,13 +107,14 @@ def run_one(engine, request_id: str, prompt_ids: list[int], params) -> list:
     engine.add_request(request_id, prompt_ids, params)
     outputs = []
     for _ in range(params.max_tokens + 2):  # a bound: a sequence that never finishes fails here, not forever
-        for output in engine.step():
+        for output in engine.step().outputs:
             assert output.error is None, repr(output.error)
             outputs.append(output)
         if not engine.has_unfinished():
             break
     assert outputs and outputs[-1].finished, "the sequence did not finish"
-    assert request_id not in engine.sequences and engine.block_manager.num_used == 0  # it left; its blocks are back
+    # It left; its blocks are back.
+    assert request_id not in engine.scheduler.sequences and engine.block_manager.num_used == 0
     return outputs
 
 
@@ -189,17 +192,17 @@ def test_a_finished_sequence_frees_its_blocks_while_the_others_run_on(engine04):
     blocks = engine04.block_manager
     engine04.add_request("short", engine04.encode(ROME), greedy(2, ignore_eos=True))
     engine04.add_request("long", engine04.encode("Count: 1, 2, 3,"), greedy(12, ignore_eos=True))
-    short, long = engine04.sequences["short"], engine04.sequences["long"]
+    short, long = engine04.scheduler.sequences["short"], engine04.scheduler.sequences["long"]
     finished = {}
     for _ in range(20):
-        for output in engine04.step():
+        for output in engine04.step().outputs:
             assert output.error is None, repr(output.error)
             if output.finished:
                 finished[output.request_id] = output
         if "short" in finished:
             break
     assert finished["short"].finish_reason == "length" and finished["short"].completion_tokens == 2
-    assert "short" not in engine04.sequences and short.block_table == []
+    assert "short" not in engine04.scheduler.sequences and short.block_table == []
     assert "long" not in finished and blocks.num_used == len(long.block_table) > 0  # only the long one holds blocks
     while engine04.has_unfinished():
         engine04.step()

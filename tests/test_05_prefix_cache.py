@@ -39,7 +39,7 @@ def run_alone(engine, request_id: str, prompt_ids: list[int], params) -> tuple[l
     engine.add_request(request_id, prompt_ids, params)
     tokens, cached = [], None
     while engine.has_unfinished():
-        for output in engine.step():
+        for output in engine.step().outputs:
             assert output.error is None, output.error
             tokens += output.token_ids
             cached = output.cached_tokens
@@ -105,7 +105,7 @@ def test_a_prompt_shorter_than_one_block_is_never_cached(engine):
 
 def test_concurrent_requests_with_one_system_prompt_equal_hf(engine, hf_greedy):
     prompts = [chat(engine, q) for q in QUESTIONS]
-    outputs = engine.generate(prompts, greedy(12))
+    outputs = engine.generate_offline(prompts, greedy(12))
     for prompt_ids, tokens in zip(prompts, outputs, strict=True):
         assert tokens == hf_greedy(prompt_ids, 12)
     books_balance(engine)
@@ -125,7 +125,7 @@ def test_prompt_logprobs_compute_every_position_even_when_cached(engine):
     prompt_ids = chat(engine, "Is there a quiet room?")
     run_alone(engine, "warm-echo", prompt_ids, greedy(1))
     engine.add_request("echo", prompt_ids, greedy(1, prompt_logprobs=0))
-    outputs = engine.step()
+    outputs = engine.step().outputs
     assert outputs[0].cached_tokens == 0 and len(outputs[0].prompt_logprobs) == len(prompt_ids) - 1
     books_balance(engine)
 
@@ -146,7 +146,7 @@ def test_preemption_with_shared_blocks_keeps_every_output_exact(model_dir, hf_gr
     engine = make_engine(FOLDER, model_dir, kv_cache_mb=10)
     assert engine.block_manager.num_blocks == 14
     prompts = [engine.encode(SYSTEM[:200] + q) for q in QUESTIONS]
-    outputs = engine.generate(prompts, greedy(40, ignore_eos=True))
+    outputs = engine.generate_offline(prompts, greedy(40, ignore_eos=True))
     assert engine.scheduler.num_preemptions > 0
     for prompt_ids, tokens in zip(prompts, outputs, strict=True):
         assert tokens == hf_greedy(prompt_ids, 40)
@@ -226,12 +226,12 @@ def test_n_samples_prefill_the_prompt_once_and_share_its_blocks(engine):
     block_size = engine.block_manager.block_size
     assert len(prompt_ids) > 2 * block_size
     engine.add_request("four", prompt_ids, sampler.SamplingParams(max_tokens=6, temperature=0.9, seed=3), n=4)
-    first = engine.step()  # sample 0's prefill alone: its blocks are indexed, then the others are queued
+    first = engine.step().outputs  # sample 0's prefill alone: its blocks are indexed, then the others are queued
     assert [output.index for output in first] == [0] and first[0].cached_tokens == 0
-    second = engine.step()  # the other three prefill only what is not in whole cached blocks
+    second = engine.step().outputs  # the other three prefill only what is not in whole cached blocks
     assert sorted(output.index for output in second) == [1, 2, 3]
     assert {output.cached_tokens for output in second} == {(len(prompt_ids) - 1) // block_size * block_size}
-    shared = engine.sequences["four"][0].block_table[:(len(prompt_ids) - 1) // block_size]
+    shared = engine.scheduler.sequences["four"][0].block_table[:(len(prompt_ids) - 1) // block_size]
     assert all(engine.block_manager.ref_counts[block] == 4 for block in shared)
     while engine.has_unfinished():
         engine.step()

@@ -11,10 +11,10 @@ import sys
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
+from . import scheduling
 from .conftest import REPO, make_engine, stage
+from .scheduling import SilentDetokenizer
 from .test_05_prefix_cache import books_balance, chat  # the library's system prompt, and a pool at rest
 from .test_attention import dense_attention, extend_meta, paged_case
 
@@ -32,12 +32,18 @@ attention = stage(FOLDER, "attention")
 def seq(name: str, prompt_len: int, max_tokens: int = 1000):
     """A sequence the scheduler can handle; it never samples or detokenizes, so those are left out."""
     params = sampler.SamplingParams(max_tokens=max_tokens)
-    return sequence.Sequence(name, list(range(prompt_len)), params, generator=None, detokenizer=None)
+    return sequence.Sequence(name, list(range(prompt_len)), params, generator=None, detokenizer=SilentDetokenizer())
 
 
 def make(num_blocks: int = 100, max_num_seqs: int = 4, budget: int = 16):
     blocks = block_manager.BlockManager(num_blocks, block_size=16)
-    return scheduler_module.Scheduler(blocks, max_num_seqs, budget), blocks
+    return scheduler_module.Scheduler(blocks, max_num_seqs, budget, eos_token_ids=set()), blocks
+
+
+def run(scheduler, batch) -> list[str]:
+    """The step has run: ``update`` gives a token (0) to every sequence whose step reaches its last token.
+    Returns who sampled."""
+    return scheduling.run(scheduler, scheduler_module, batch)
 
 
 def scheduled(batch) -> list[tuple[str, int]]:
@@ -45,29 +51,16 @@ def scheduled(batch) -> list[tuple[str, int]]:
     return [(s.request_id, s.num_scheduled_tokens) for s in batch.seqs]
 
 
-def run(batch) -> list[str]:
-    """What the engine does after the forward pass: the step's tokens are computed; a sequence whose known
-    tokens are all computed samples one more (a token id of 0). Returns who sampled."""
-    sampled = []
-    for s in batch.seqs:
-        s.num_computed_tokens += s.num_scheduled_tokens
-        s.num_scheduled_tokens = 0
-        if s.num_computed_tokens == s.num_tokens:
-            s.output_ids.append(0)
-            sampled.append(s.request_id)
-    return sampled
-
-
 @pytest.mark.exercise("6.1")
 def test_decodes_first_then_the_rest_of_the_budget_goes_to_a_long_prompt_in_chunks():
     scheduler, _ = make(budget=16)
     scheduler.add(seq("chat", 5))
-    assert run(scheduler.schedule()) == ["chat"]  # its whole prompt in one step
+    assert run(scheduler, scheduler.schedule()) == ["chat"]  # its whole prompt in one step
     scheduler.add(seq("long", 40))
     steps = []
     for _ in range(4):
         batch = scheduler.schedule()
-        steps.append((scheduled(batch), run(batch)))
+        steps.append((scheduled(batch), run(scheduler, batch)))
     assert steps == [
         ([("chat", 1), ("long", 15)], ["chat"]),  # a chunk of 15: no token for "long" yet
         ([("chat", 1), ("long", 15)], ["chat"]),
@@ -84,7 +77,7 @@ def test_a_running_prompt_gets_its_chunk_before_a_new_one_is_admitted():
     batch = scheduler.schedule()
     assert scheduled(batch) == [("first", 16)]  # "second" waits: the budget is spent
     assert [s.request_id for s in scheduler.waiting] == ["second"]
-    run(batch)
+    run(scheduler, batch)
     assert scheduled(scheduler.schedule()) == [("first", 4), ("second", 12)]  # first come, first served
 
 
@@ -103,7 +96,7 @@ def test_a_prompt_takes_its_blocks_chunk_by_chunk():
     scheduler.add(seq("long", 100))
     batch = scheduler.schedule()
     assert scheduled(batch) == [("long", 20)] and blocks.num_used == 2  # 20 tokens: 2 blocks, not 7
-    run(batch)
+    run(scheduler, batch)
     scheduler.schedule()
     assert blocks.num_used == 3  # 40 tokens
 
@@ -113,10 +106,10 @@ def test_when_the_pool_runs_dry_the_newest_prompt_gives_its_blocks_back():
     scheduler, blocks = make(num_blocks=6, budget=48)
     scheduler.add(seq("old", 80))  # 5 blocks
     scheduler.add(seq("new", 80))
-    run(scheduler.schedule())  # old: 48 tokens (3 blocks)
+    run(scheduler, scheduler.schedule())  # old: 48 tokens (3 blocks)
     batch = scheduler.schedule()  # old: 32 more (2 blocks); new: 16 (1 block): the pool is full
     assert scheduled(batch) == [("old", 32), ("new", 16)]
-    run(batch)
+    run(scheduler, batch)
     scheduler.add(seq("later", 4))
     batch = scheduler.schedule()  # old decodes and needs a sixth block: new, the newest, is preempted
     assert scheduled(batch) == [("old", 1)]  # and nobody is admitted in a step that preempted
@@ -129,77 +122,13 @@ def test_a_budget_below_max_num_seqs_is_refused():
         make(max_num_seqs=8, budget=7)
 
 
-class Simulation:
-    """The scheduler driven the way the engine drives it, with the checks of every step."""
-
-    def __init__(self, num_blocks: int, max_num_seqs: int, budget: int) -> None:
-        self.scheduler, self.blocks = make(num_blocks, max_num_seqs, budget)
-        self.budget = budget
-        self.arrivals = 0
-
-    def add(self, prompt_len: int, max_tokens: int) -> None:
-        self.scheduler.add(seq(f"r{self.arrivals}", prompt_len, max_tokens))
-        self.arrivals += 1
-
-    def step(self) -> None:
-        s = self.scheduler
-        decoding = [q for q in s.running if q.num_new_tokens == 1]
-        running_before, waiting_before = list(s.running), list(s.waiting)
-        preemptions = s.num_preemptions
-        batch = s.schedule()
-        assert batch.num_tokens <= self.budget, "the budget was exceeded"
-        for q in decoding:  # a decode-ready sequence that still holds blocks is never skipped
-            assert q in batch.seqs or q.status is sequence.SequenceStatus.WAITING
-        admitted = [q for q in batch.seqs if q in waiting_before]
-        assert admitted == waiting_before[: len(admitted)], "first come, first served"
-        if s.num_preemptions > preemptions:
-            assert not admitted
-        preempted = [q for q in running_before if q.status is sequence.SequenceStatus.WAITING]
-        for q in batch.seqs:  # the newest give their blocks up, never one older than a sequence that runs
-            assert q not in running_before or all(running_before.index(p) > running_before.index(q)
-                                                  for p in preempted), "an older sequence was preempted"
-        prompts = [q for q in batch.seqs if q.num_scheduled_tokens > 1 or q.num_new_tokens > 1]
-        for q in prompts[:-1]:  # every prompt but the last to get tokens got all it had left, or the pool ran dry
-            assert q.num_scheduled_tokens == q.num_new_tokens or self.blocks.num_available == 0
-        used = sum(len(q.block_table) for q in s.running)
-        assert used == self.blocks.num_used, "the pool's books do not balance"
-        for q in batch.seqs:  # every scheduled token has its slot
-            assert len(q.block_table) * 16 >= q.num_computed_tokens + q.num_scheduled_tokens
-        run(batch)
-        for q in list(s.running):
-            if len(q.output_ids) >= q.params.max_tokens:
-                s.finish(q)
-
-
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(requests=st.lists(st.tuples(st.integers(1, 120), st.integers(1, 12), st.integers(0, 3)), min_size=1,
-                         max_size=12),
-       budget=st.sampled_from([4, 7, 16, 33]), num_blocks=st.integers(9, 40))
-def test_the_scheduler_keeps_its_promises_and_everyone_finishes(requests, budget, num_blocks):
-    """Requests (prompt length, output length, steps until the next arrives) against a small pool: the checks
-    of every step (Simulation.step), then everyone finishes: nobody starves."""
-    sim = Simulation(num_blocks, max_num_seqs=4, budget=budget)
-    for prompt_len, max_tokens, gap in requests:
-        if prompt_len + max_tokens > num_blocks * 16:
-            continue  # the engine refuses a request that could never fit the pool
-        sim.add(prompt_len, max_tokens)
-        for _ in range(gap):
-            sim.step()
-    for _ in range(5000):
-        if not sim.scheduler.has_unfinished():
-            break
-        sim.step()
-    assert not sim.scheduler.has_unfinished(), "somebody starved"
-    assert sim.blocks.num_used == 0
-
-
 # --- the mixed batch, as numbers -----------------------------------------------------------------
 
 
 @pytest.mark.exercise("6.2")
 def test_prepare_lays_out_decode_rows_and_chunks_and_samples_only_complete_sequences():
     blocks = block_manager.BlockManager(20, block_size=16)
-    runner = model_runner.ModelRunner(None, None, blocks, torch.device("cpu"))
+    runner = model_runner.ModelRunner(None, None, blocks.block_size, torch.device("cpu"))
     decode = seq("decode", 17)
     decode.output_ids = [99]
     decode.num_computed_tokens, decode.num_scheduled_tokens = 17, 1  # position 17
@@ -221,7 +150,7 @@ def test_prepare_lays_out_decode_rows_and_chunks_and_samples_only_complete_seque
 
 def test_prepare_scores_prompt_rows_chunk_by_chunk():
     blocks = block_manager.BlockManager(20, block_size=16)
-    runner = model_runner.ModelRunner(None, None, blocks, torch.device("cpu"))
+    runner = model_runner.ModelRunner(None, None, blocks.block_size, torch.device("cpu"))
     echo = sequence.Sequence("echo", list(range(30)), sampler.SamplingParams(max_tokens=1, prompt_logprobs=0),
                              generator=None, detokenizer=None)
     blocks.grow(echo.block_table, 30)
@@ -264,7 +193,7 @@ def run_all(engine) -> dict[str, list]:
     """Step until everyone is done; each request's outputs."""
     outputs: dict[str, list] = {}
     while engine.has_unfinished():
-        for output in engine.step():
+        for output in engine.step().outputs:
             assert output.error is None, output.error
             outputs.setdefault(output.request_id, []).append(output)
     return outputs
@@ -299,16 +228,16 @@ def test_a_long_prompt_joins_running_decodes_chunk_by_chunk_and_everyone_equals_
 
     for name, ids in prompts.items():
         engine.add_request(name, ids, greedy(24))
-    while any(not engine.sequences[name][0].output_ids for name in prompts):
-        collect(engine.step())  # each prompt is a chunk or two
+    while any(not engine.scheduler.sequences[name][0].output_ids for name in prompts):
+        collect(engine.step().outputs)  # each prompt is a chunk or two
     prompts["long"] = chat(engine, "When are you open on Sunday?")
     engine.add_request("long", prompts["long"], greedy(12))
-    step = engine.step()
+    step = engine.step().outputs
     collect(step)
     assert sorted(output.request_id for output in step) == ["short0", "short1"]  # the streams went on
-    assert engine.sequences["long"][0].num_computed_tokens == 16 - 2  # the budget after two decodes
+    assert engine.scheduler.sequences["long"][0].num_computed_tokens == 16 - 2  # the budget after two decodes
     while engine.has_unfinished():
-        collect(engine.step())
+        collect(engine.step().outputs)
     for name, ids in prompts.items():
         assert got[name] == hf_greedy(ids, 12 if name == "long" else 24), name
     books_balance(engine)
@@ -317,7 +246,7 @@ def test_a_long_prompt_joins_running_decodes_chunk_by_chunk_and_everyone_equals_
 def test_a_mid_prompt_chunk_produces_nothing_and_the_last_one_samples(engine, hf_greedy):
     prompt_ids = chat(engine, "Can I renew a book online?")
     engine.add_request("chunked", prompt_ids, greedy(8))
-    steps = [engine.step() for _ in range(-(-len(prompt_ids) // 16))]  # one chunk of 16 per step
+    steps = [engine.step().outputs for _ in range(-(-len(prompt_ids) // 16))]  # one chunk of 16 per step
     assert all(outputs == [] for outputs in steps[:-1])  # no token, no output, until the prompt is complete
     assert [output.completion_tokens for output in steps[-1]] == [1]  # its last chunk samples the first token
     rest = tokens(run_all(engine).get("chunked", []))
@@ -407,8 +336,8 @@ def test_a_prompt_preempted_part_way_restarts_from_its_own_cached_blocks(model_d
     assert len(decoding) < 44 and 32 < len(prompt) <= 48
     small.add_request("decoding", decoding, greedy(64 - len(decoding)))
     got: dict[str, list[int]] = {"decoding": [], "prompt": []}
-    while small.sequences["decoding"][0].num_tokens < 44:
-        for output in small.step():
+    while small.scheduler.sequences["decoding"][0].num_tokens < 44:
+        for output in small.step().outputs:
             got[output.request_id] += output.token_ids
     small.add_request("prompt", prompt, greedy(4))
     for request_id, outputs in run_all(small).items():

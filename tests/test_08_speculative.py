@@ -160,7 +160,7 @@ def admitted(scheduler, *seqs) -> None:
 @pytest.mark.exercise("8.4")
 def test_each_decode_gets_room_for_its_guesses_within_the_budget_and_its_max_tokens():
     blocks = block_manager_module.BlockManager(100, block_size=16)
-    scheduler = scheduler_module.Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=12)
+    scheduler = scheduler_module.Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=12, eos_token_ids=set())
     a, b = decoding("a", 15, 1, k=4), decoding("b", 20, 0, k=4)
     c = decoding("c", 30, 5, k=4, max_tokens=8)  # 3 tokens to go: 2 guesses + 1 of the model's
     admitted(scheduler, a, b, c)
@@ -174,7 +174,7 @@ def test_each_decode_gets_room_for_its_guesses_within_the_budget_and_its_max_tok
 @pytest.mark.exercise("8.4")
 def test_guesses_never_preempt_anyone_and_a_paused_sequence_gets_no_room():
     blocks = block_manager_module.BlockManager(7, block_size=16)
-    scheduler = scheduler_module.Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=64)
+    scheduler = scheduler_module.Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=64, eos_token_ids=set())
     # Each one's last token ends a block (a: 1 block, b: 2, c: 3): guesses need a new block, and one is free.
     a, b, c = decoding("a", 16, 0, k=4), decoding("b", 32, 0, k=4), decoding("c", 48, 0, k=4)
     admitted(scheduler, a, b, c)
@@ -213,7 +213,7 @@ def run_to_the_end(engine) -> dict[str, list]:
     """Step until every request is done; each request's outputs, in order."""
     outputs: dict[str, list] = {}
     while engine.has_unfinished():
-        for output in engine.step():
+        for output in engine.step().outputs:
             outputs.setdefault(output.request_id, []).append(output)
     return outputs
 
@@ -250,20 +250,21 @@ def test_ngram_guesses_give_hugging_faces_tokens_and_rejected_guesses_give_their
     every step no block beyond the next token's slot. Then a follow-up that starts with the whole answer finds
     its blocks in the prefix cache (computed while guesses were being rejected) and continues as Hugging Face."""
     prompt = chat(ngram, EXTRACTIVE)
-    before = ngram.speculation
+    before = ngram.stats().speculation
     ngram.add_request("alone", prompt, sampler.SamplingParams(max_tokens=40, temperature=0.0))
-    [seq] = ngram.sequences["alone"]
+    [seq] = ngram.scheduler.sequences["alone"]
     tokens = []
     while ngram.has_unfinished():
-        tokens += [t for output in ngram.step() for t in output.token_ids]
+        tokens += [t for output in ngram.step().outputs for t in output.token_ids]
         if ngram.has_unfinished():
             assert len(seq.block_table) <= ngram.block_manager.blocks_needed(seq.num_computed_tokens + 1)
     assert tokens == hf_greedy(prompt, 40)
-    accepted, proposed = ngram.speculation.accepted - before.accepted, ngram.speculation.proposed - before.proposed
+    after = ngram.stats().speculation
+    accepted, proposed = after.accepted - before.accepted, after.proposed - before.proposed
     assert 0 < accepted < proposed, "the run should see guesses accepted and guesses rejected"
     follow_up = prompt + tokens
     hits = ngram.scheduler.prefix_cache_hits
-    [more] = ngram.generate([follow_up], sampler.SamplingParams(max_tokens=8, temperature=0.0))
+    [more] = ngram.generate_offline([follow_up], sampler.SamplingParams(max_tokens=8, temperature=0.0))
     assert ngram.scheduler.prefix_cache_hits - hits == (len(follow_up) - 1) // 16 * 16
     assert more == hf_greedy(follow_up, 8)
 
@@ -289,11 +290,11 @@ def test_seeded_sampling_without_guesses_draws_what_stage_07_draws(ngram, engine
     prompt = chat(ngram, "Write a haiku about the sea.")
     params = sampler.SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=7)
     off = make_engine(FOLDER, ngram.config.model, kv_cache_mb=16, speculative="off")
-    theirs = engine07.generate([prompt], stage("07_cuda_graphs", "sampler").SamplingParams(**vars(params)))
-    assert off.generate([prompt], params) == theirs
+    theirs = engine07.generate_offline([prompt], stage("07_cuda_graphs", "sampler").SamplingParams(**vars(params)))
+    assert off.generate_offline([prompt], params) == theirs
     extractive = chat(ngram, EXTRACTIVE)
     params = sampler.SamplingParams(max_tokens=12, temperature=0.8, seed=11)
-    assert ngram.generate([extractive], params) == ngram.generate([extractive], params)
+    assert ngram.generate_offline([extractive], params) == ngram.generate_offline([extractive], params)
 
 
 def test_the_server_streams_runs_and_reports_its_guesses(server08, hf_greedy):
@@ -342,10 +343,10 @@ def test_speculative_sampling_has_the_models_distribution(tiny):
     top_k, samples = 3, 1600
     params = [sampler.SamplingParams(max_tokens=3, temperature=1.0, top_k=top_k, ignore_eos=True, seed=i)
               for i in range(samples)]
-    answers = engine.generate([prompt] * samples, params)
+    answers = engine.generate_offline([prompt] * samples, params)
     # Nearly every second token comes through a guess (a few sequences are still catching the draft up).
-    assert engine.speculation.proposed >= 0.9 * samples, "the second tokens should come through guesses"
-    assert 0 < engine.speculation.accepted < samples, "the draft's q should differ from the model's p"
+    assert engine.stats().speculation.proposed >= 0.9 * samples, "the second tokens should come through guesses"
+    assert 0 < engine.stats().speculation.accepted < samples, "the draft's q should differ from the model's p"
 
     def top(ids: list[int]) -> dict[int, float]:
         with torch.inference_mode():

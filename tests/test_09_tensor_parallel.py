@@ -199,6 +199,7 @@ def prompt_logits(engine, prompt_ids: list[int]) -> torch.Tensor:
     blocks = list(range(-(-n // block_size)))
     slots = [blocks[i // block_size] * block_size + i % block_size for i in range(n)]
     step = model_runner.StepInput(prompt_ids, list(range(n)), slots, [0, n], [n], [blocks], list(range(n)), [], [0])
+    engine.ranks.send(step)  # every other rank runs the same step
     logits, _ = engine.runner.execute(step)
     return logits
 
@@ -225,15 +226,15 @@ def test_two_ranks_give_the_logits_and_tokens_of_one(tiny, kind):
     prompt = [(7 * i + 3) % 256 for i in range(40)]
     params = sampler.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     one = make_engine(FOLDER, tiny[kind], kv_cache_mb=4)
-    expected_logits, expected_tokens = prompt_logits(one, prompt), one.generate([prompt, prompt[:17]], params)
+    expected_logits, expected_tokens = prompt_logits(one, prompt), one.generate_offline([prompt, prompt[:17]], params)
     two = make_engine(FOLDER, tiny[kind], kv_cache_mb=4, tensor_parallel_size=2)
     try:
-        workers = [worker.pid for worker in two.workers]
+        workers = [worker.pid for worker in two.ranks.workers]
         assert len(workers) == 1 and two.tp.size == 2
         # Each rank holds half the KV heads, so the same megabytes hold twice the blocks (the smallest over ranks).
         assert two.kv_cache.shape.num_kv_heads == 1 and two.kv_cache.num_blocks == 2 * one.kv_cache.num_blocks
         torch.testing.assert_close(prompt_logits(two, prompt), expected_logits, atol=LOGITS_ATOL, rtol=0)
-        assert two.generate([prompt, prompt[:17]], params) == expected_tokens
+        assert two.generate_offline([prompt, prompt[:17]], params) == expected_tokens
     finally:
         two.shutdown()
     assert_all_stopped(workers)
@@ -258,7 +259,7 @@ def test_three_ranks_of_the_course_model_match_one_and_hugging_face(engine09_thr
                                rtol=0)
     prompts = [three.encode(p) for p in TEXT_PROMPTS] + [three.encode_chat([{"role": "user", "content": p}])
                                                          for p in CHAT_PROMPTS]
-    answers = three.generate(prompts, sampler.SamplingParams(max_tokens=32, temperature=0.0))
+    answers = three.generate_offline(prompts, sampler.SamplingParams(max_tokens=32, temperature=0.0))
     for ids, tokens in zip(prompts, answers, strict=True):
         assert tokens == hf_greedy(ids, 32), three.tokenizer.decode(ids)
 
@@ -278,7 +279,7 @@ def test_refused_at_start_up_before_any_process_starts(model_dir):
 def test_the_server_on_two_ranks_answers_streams_and_frees_aborted_blocks(tiny):
     engine = make_engine(FOLDER, tiny["llama"], kv_cache_mb=4, tensor_parallel_size=2)
     prompt = [(5 * i + 1) % 256 for i in range(30)]
-    expected = make_engine(FOLDER, tiny["llama"], kv_cache_mb=4).generate(
+    expected = make_engine(FOLDER, tiny["llama"], kv_cache_mb=4).generate_offline(
         [prompt], sampler.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
     try:
         with serve_stage(FOLDER, engine) as server:
@@ -310,7 +311,7 @@ def test_the_server_on_two_ranks_answers_streams_and_frees_aborted_blocks(tiny):
 def fails_with_503_when(engine, fault) -> None:
     """Serve ``engine`` (two ranks), start a long request, apply ``fault``: the request ends with a 503, /health
     turns 503, later requests get 503 at once, and the worker process is gone."""
-    worker = engine.workers[0]
+    worker = engine.ranks.workers[0]
     with serve_stage(FOLDER, engine) as server:
         result: dict = {}
 

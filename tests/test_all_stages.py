@@ -18,7 +18,7 @@ def greedy_tokens(folder: str, engine, prompts: list[list[int]]) -> list[list[in
     """Each prompt's greedy tokens through the stage's own offline API (its shape changes with the lesson)."""
     params = stage(folder, "sampler").SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     if has(folder, "batching"):  # 04 on: every prompt in one continuous batch
-        return engine.generate(prompts, params)
+        return engine.generate_offline(prompts, params)
     if has(folder, "streaming"):  # 02 and 03: a generator of outputs per request
         return [[t for output in engine.generate(f"all-{i}", ids, params) for t in output.token_ids]
                 for i, ids in enumerate(prompts)]

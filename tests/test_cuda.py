@@ -86,7 +86,7 @@ def test_serving_compiles_no_kernel_after_start_up(folder, model_dir):
         params = stage(folder, "sampler").SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
         prompts = [[1 + i % 1000 for i in range(n)] for n in (3, 17, 70, 333, 1200)]  # 1 to 80 blocks
         if has(folder, "batching"):  # 04 on: one continuous batch
-            engine.generate(prompts, params)
+            engine.generate_offline(prompts, params)
         else:
             for i, ids in enumerate(prompts):
                 list(engine.generate(f"r{i}", ids, params))

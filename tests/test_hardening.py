@@ -111,14 +111,14 @@ def inject_fault(monkeypatch, folder: str, engine, error: Exception) -> None:
     """Make the engine raise ``error`` in its work on the poisoned prompt, and only there."""
     poison_ids = engine.encode(POISON)
     if has(folder, "batching"):  # the per-sequence work after the batched forward pass
-        append = engine._append
+        append = engine.scheduler._append
 
         def faulty_append(seq, *args):
             if seq.prompt_ids == poison_ids:
                 raise error
             return append(seq, *args)
 
-        monkeypatch.setattr(engine, "_append", faulty_append)
+        monkeypatch.setattr(engine.scheduler, "_append", faulty_append)
     else:
         generate = engine.generate
 
@@ -165,7 +165,7 @@ def test_the_engine_itself_refuses_token_ids_outside_the_vocabulary(folder, engi
         else:
             next(iter(engine.generate("bad-ids", bad, params)))
     if has(folder, "batching"):
-        assert "bad-ids" not in engine.sequences and not engine.scheduler.waiting
+        assert "bad-ids" not in engine.scheduler.sequences and not engine.scheduler.waiting
     if has(folder, "paged_kv"):
         assert engine.block_manager.num_used == 0
 
@@ -286,7 +286,7 @@ def test_32_long_requests_on_a_pool_that_fits_8_all_complete_exactly(model_dir, 
     prompts = [small.encode(f"Fact {i}: {TEXT_PROMPTS[i % 4]}") for i in range(32)]
     assert all(len(p) + 24 <= 48 for p in prompts)
     params = sampler.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    squeezed = small.generate(prompts, params)
+    squeezed = small.generate_offline(prompts, params)
     assert small.scheduler.num_preemptions > 0 and small.block_manager.num_used == 0
-    roomy = [out for group in range(0, 32, 16) for out in engine04.generate(prompts[group:group + 16], params)]
+    roomy = [out for group in range(0, 32, 16) for out in engine04.generate_offline(prompts[group:group + 16], params)]
     assert squeezed == roomy

@@ -352,13 +352,13 @@ def test_a_penalized_request_gives_the_same_tokens_alone_and_in_a_batch(engine04
     sampler = stage("04_continuous_batching", "sampler")
     mine = sampler.SamplingParams(max_tokens=10, temperature=0.0, presence_penalty=settings["presence"],
                                   frequency_penalty=settings["frequency"], logit_bias=settings["bias"])
-    assert engine04.generate([prompt_ids], mine) == [expected]
+    assert engine04.generate_offline([prompt_ids], mine) == [expected]
     others = [sampler.SamplingParams(max_tokens=6 + i % 5, temperature=0.0 if i % 2 else 0.8, seed=i, top_k=i % 4,
                                      frequency_penalty=(i % 3) * 0.5, logit_bias={i: 1.0} if i % 4 == 0 else {},
                                      logprobs=i % 3 if i % 2 else None)
               for i in range(15)]
     prompts = [tokenizer(p).input_ids for p in (TEXT_PROMPTS * 4)[:15]]
-    outputs = engine04.generate([*prompts, prompt_ids], [*others, mine])
+    outputs = engine04.generate_offline([*prompts, prompt_ids], [*others, mine])
     assert outputs[-1] == expected
 
 

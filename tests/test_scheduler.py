@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from . import scheduling
 from .conftest import stage
+from .scheduling import SilentDetokenizer
 from .stages import graded_first, has, stages_with
 
 STAGES = [folder for folder in stages_with("scheduler") if not has(folder, "chunking")]  # a step: prefill or decode
@@ -42,25 +44,24 @@ def mods(folder) -> Stage:
 def seq(mods: Stage, name: str, prompt_len: int, outputs: int = 0):
     """A sequence the scheduler can handle; it never samples or detokenizes, so those are left out."""
     params = mods.sampler.SamplingParams(max_tokens=1000)
-    s = mods.sequence.Sequence(name, list(range(prompt_len)), params, generator=None, detokenizer=None)
+    s = mods.sequence.Sequence(name, list(range(prompt_len)), params, generator=None,
+                               detokenizer=SilentDetokenizer())
     s.output_ids = list(range(outputs))
     return s
 
 
 def make(mods: Stage, num_blocks: int = 100, max_num_seqs: int = 8, max_num_batched_tokens: int = 256):
     blocks = mods.block_manager.BlockManager(num_blocks, block_size=16)
-    return mods.scheduler.Scheduler(blocks, max_num_seqs, max_num_batched_tokens), blocks
+    return mods.scheduler.Scheduler(blocks, max_num_seqs, max_num_batched_tokens, eos_token_ids=set()), blocks
 
 
 def names(batch) -> list[str]:
     return [s.request_id for s in batch.seqs]
 
 
-def run(batch) -> None:
-    """What the engine does after a step's forward pass: the cache holds every token, one more is sampled."""
-    for s in batch.seqs:
-        s.num_computed_tokens = s.num_tokens
-        s.output_ids.append(0)
+def run(mods: Stage, scheduler, batch) -> None:
+    """The step has run: ``update`` gives every sequence of the batch one more token (0)."""
+    scheduling.run(scheduler, mods.scheduler, batch)
 
 
 @graded("4.1")
@@ -82,7 +83,7 @@ def test_admission_stops_at_max_num_seqs_then_everyone_decodes(mods):
         scheduler.add(seq(mods, f"r{i}", 10))
     prefill = scheduler.schedule()
     assert names(prefill) == ["r0", "r1", "r2"] and prefill.num_tokens == 30
-    run(prefill)
+    run(mods, scheduler, prefill)
     batch = scheduler.schedule()
     assert not batch.is_prefill and names(batch) == ["r0", "r1", "r2"] and batch.num_tokens == 3
     assert len(scheduler.waiting) == 2
@@ -123,7 +124,7 @@ def test_no_starvation_under_a_stream_of_short_requests(mods):
         if "long" in names(batch):
             break
         for s in list(scheduler.running):  # every running request finishes after one step
-            scheduler.finish(s)
+            scheduler.abort(s.request_id)
     else:
         pytest.fail("the long request never ran")
     assert names(batch)[0] == "long"  # first in its step: every later arrival queued behind it
@@ -175,8 +176,8 @@ def test_finish_frees_the_blocks_from_either_queue(mods):
     scheduler.add(a)
     scheduler.add(b)
     scheduler.schedule()
-    scheduler.finish(b)  # still waiting
-    scheduler.finish(a)  # running
+    scheduler.abort(b.request_id)  # still waiting
+    scheduler.abort(a.request_id)  # running
     assert not scheduler.has_unfinished() and blocks.num_used == 0
     assert a.status is mods.sequence.SequenceStatus.FINISHED and b.status is mods.sequence.SequenceStatus.FINISHED
 
@@ -185,7 +186,7 @@ def test_finish_frees_the_blocks_from_either_queue(mods):
 def test_prepare_lays_each_sequences_new_tokens_end_to_end(mods):
     runner_mod = mods.model_runner
     blocks = mods.block_manager.BlockManager(10, block_size=16)
-    runner = runner_mod.ModelRunner(model=None, kv_cache=None, block_manager=blocks, device=torch.device("cpu"))
+    runner = runner_mod.ModelRunner(model=None, kv_cache=None, block_size=blocks.block_size, device=torch.device("cpu"))
     a, b = seq(mods, "a", 3), seq(mods, "b", 18, outputs=2)  # b was preempted after two tokens: it recomputes 20
     blocks.grow(a.block_table, 3)
     blocks.grow(b.block_table, 20)
@@ -193,7 +194,8 @@ def test_prepare_lays_each_sequences_new_tokens_end_to_end(mods):
     assert step.input_ids == a.token_ids + b.token_ids
     assert step.positions == [0, 1, 2, *range(20)]
     assert step.query_start_loc == [0, 3, 23] and step.seq_lens == [3, 20]
-    assert step.slot_mapping == blocks.slot_mapping(a.block_table, 0, 3) + blocks.slot_mapping(b.block_table, 0, 20)
+    slots = mods.block_manager.token_slots
+    assert step.slot_mapping == slots(a.block_table, 16, 0, 3) + slots(b.block_table, 16, 0, 20)
     assert step.block_tables == [a.block_table + [0], b.block_table]
     assert step.logits_indices == [2, 22]  # each sequence's last token predicts its next one
     assert step.prompt_logits_indices == [] and step.num_prompt_logits == [0, 0]
@@ -204,7 +206,7 @@ def test_prepare_starts_each_sequence_after_its_cached_tokens(mods):
     """A decode is the same step with one new token; a sequence with cached tokens adds only the rest."""
     runner_mod = mods.model_runner
     blocks = mods.block_manager.BlockManager(10, block_size=16)
-    runner = runner_mod.ModelRunner(model=None, kv_cache=None, block_manager=blocks, device=torch.device("cpu"))
+    runner = runner_mod.ModelRunner(model=None, kv_cache=None, block_size=blocks.block_size, device=torch.device("cpu"))
     a, b = seq(mods, "a", 17, outputs=1), seq(mods, "b", 40)
     a.num_computed_tokens, b.num_computed_tokens = 17, 32  # a decodes its 18th token; b extends 32 cached by 8
     blocks.grow(a.block_table, 18)
@@ -213,13 +215,14 @@ def test_prepare_starts_each_sequence_after_its_cached_tokens(mods):
     assert step.input_ids == [a.output_ids[-1], *b.prompt_ids[32:]]
     assert step.positions == [17, *range(32, 40)]
     assert step.query_start_loc == [0, 1, 9] and step.seq_lens == [18, 40] and step.logits_indices == [0, 8]
-    assert step.slot_mapping == blocks.slot_mapping(a.block_table, 17, 18) + blocks.slot_mapping(b.block_table, 32, 40)
+    slots = mods.block_manager.token_slots
+    assert step.slot_mapping == slots(a.block_table, 16, 17, 18) + slots(b.block_table, 16, 32, 40)
 
 
 def test_a_prompt_that_asks_for_prompt_logprobs_gets_its_rows_scored(mods):
     runner_mod = mods.model_runner
     blocks = mods.block_manager.BlockManager(10, block_size=16)
-    runner = runner_mod.ModelRunner(model=None, kv_cache=None, block_manager=blocks, device=torch.device("cpu"))
+    runner = runner_mod.ModelRunner(model=None, kv_cache=None, block_size=blocks.block_size, device=torch.device("cpu"))
     a, b = seq(mods, "a", 3), seq(mods, "b", 5)
     b.params.prompt_logprobs = 2
     for s in (a, b):

@@ -1,0 +1,14 @@
+"""What the engine reports of itself: frozen snapshots, taken on the engine thread after each step and read
+by ``/health`` and ``/metrics`` from any thread (a snapshot is replaced, never modified)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's load at one moment (``/health`` reads it)."""
+
+    running: int
+    waiting: int
