@@ -19,9 +19,12 @@ from itertools import pairwise
 
 import torch
 
+from common.device import keep_freed_memory
+
 from .attention import AttentionMetadata
 from .block_manager import token_slots
-from .kv_cache import KVCache
+from .config import EngineConfig
+from .kv_cache import KVCache, budget_bytes
 from .model import LlamaForCausalLM
 from .scheduler import Batch
 
@@ -107,3 +110,39 @@ class ModelRunner:
         if step.prompt_logits_indices:
             prompt_logits = self.model.compute_logits(hidden[self._tensor(step.prompt_logits_indices, torch.int64)])
         return logits, prompt_logits
+
+
+# --- building a runner --------------------------------------------------------------------------------
+
+
+def start_runner(config: EngineConfig, model: LlamaForCausalLM, device: torch.device,
+                 max_num_batched_tokens: int) -> ModelRunner:
+    """The model runner with its KV-cache pool, warmed up: what the engine builds once the weights are
+    loaded.
+
+    The pool comes after the weights, so that on CUDA it takes a share of what they left; and after one run
+    of the largest step, whose activations it must leave room for."""
+    max_model_len, dtype = model.config.max_position_embeddings, model.model.embed_tokens.weight.dtype
+    shape = model.config.cache_shape(config.block_size, dtype)
+    if device.type == "cuda":  # what the largest step's activations take, before the pool takes the rest
+        run_dummy_step(model, KVCache.allocate(shape, shape.bytes_per_block, device), device,
+                       min(max_num_batched_tokens, max_model_len))
+    if device.type == "cpu":  # attention's gathers allocate tens of MB per layer and step: keep them
+        keep_freed_memory()
+    kv_cache = KVCache.allocate(shape, budget_bytes(device, config.kv_cache_mb, config.gpu_memory_utilization),
+                                device)
+    runner = ModelRunner(model, kv_cache, config.block_size, device)
+    # Warm up: compile every kernel now (a decode step and an extend step), not in a user's request.
+    for num_tokens in (1, 2):
+        run_dummy_step(model, kv_cache, device, num_tokens)
+    return runner
+
+
+def run_dummy_step(model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device, num_tokens: int) -> None:
+    """One forward pass of ``num_tokens`` tokens of one sequence that writes nothing (slot -1) and reads
+    block 0 for every position: to compile the kernels, and to measure the activations' peak."""
+    inputs = StepInput(input_ids=[0] * num_tokens, positions=list(range(num_tokens)),
+                       slot_mapping=[-1] * num_tokens, query_start_loc=[0, num_tokens], seq_lens=[num_tokens],
+                       block_tables=[[0] * -(-num_tokens // kv_cache.shape.block_size)],
+                       logits_indices=[num_tokens - 1], prompt_logits_indices=[], num_prompt_logits=[0])
+    ModelRunner(model, kv_cache, kv_cache.shape.block_size, device).execute(inputs)

@@ -13,6 +13,7 @@ from common.trace import Tracer, add_trace_args
 from .async_engine import AsyncEngine
 from .config import EngineConfig
 from .engine import Engine
+from .model_runner import run_dummy_step
 from .sampler import SamplingParams
 
 LONG_PROMPT_TOKENS = 1500  # the demo's long prompt: about 5 s of prefill on a laptop CPU
@@ -63,7 +64,7 @@ def demo(engine: Engine, max_tokens: int) -> None:
     print(f"\nThe long prompt's first token came {long_first_token - long_arrived:.2f} s after it arrived. The chats' "
           f"longest wait between two tokens: {1000 * longest_gap:.0f} ms.")
     start = time.perf_counter()
-    engine.run_dummy_step(len(long_ids), engine.kv_cache)  # the whole prompt in one step, as stage 05 runs it
+    run_dummy_step(engine.model, engine.kv_cache, engine.device, len(long_ids))  # the whole prompt in one step
     print(f"The whole prompt in one step (stage 05's way) takes {1000 * (time.perf_counter() - start):.0f} ms: "
           "every chat would have waited that long for its next token.")
     for request_id, prompt in chats.items():

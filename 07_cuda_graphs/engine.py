@@ -20,17 +20,15 @@ import time
 import torch
 from transformers import AutoTokenizer
 
-from common.device import keep_freed_memory, pick_device, pick_dtype
+from common.device import pick_device, pick_dtype
 from common.trace import RequestTrace
 from common.weights import resolve_model
 
-from .attention import use_triton
 from .block_manager import BlockManager
 from .config import CPU_TOKEN_BUDGET, CUDA_TOKEN_BUDGET, EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .kv_cache import KVCache, budget_bytes
 from .model import LlamaForCausalLM
-from .model_runner import ModelRunner, StepInput
+from .model_runner import StepInput, start_runner
 from .prefix_index import HashIndex, PrefixIndex
 from .radix_tree import RadixTree
 from .sampler import SamplingParams, TokenLogprobs, compute_logprobs, make_generator, sample
@@ -88,40 +86,12 @@ class Engine:
         self.eos_token_ids = set(self.model.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        # The pool is allocated after the weights, so that on CUDA it takes a share of what they left.
-        shape = self.model.config.cache_shape(config.block_size, self.dtype)
-        if self.device.type == "cuda":  # what the largest step's activations take, before the pool takes the rest
-            self.run_dummy_step(min(self.max_num_batched_tokens, self.max_model_len),
-                                KVCache.allocate(shape, shape.bytes_per_block, self.device))
-        if self.device.type == "cpu":  # attention's gathers allocate tens of MB per layer and step: keep them
-            keep_freed_memory()
-        budget = budget_bytes(self.device, config.kv_cache_mb, config.gpu_memory_utilization)
-        self.kv_cache = KVCache.allocate(shape, budget, self.device)
+        self.runner = start_runner(config, self.model, self.device, self.max_num_batched_tokens)
+        self.kv_cache = self.runner.kv_cache
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size,
                                           make_index(config.prefix_cache, config.block_size))
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
                                    self.eos_token_ids)
-        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device, config.max_num_seqs,
-                                  self.max_model_len)
-        # Warm up: compile every kernel now (a decode step and an extend step), not in a user's request.
-        for num_tokens in (1, 2):
-            self.run_dummy_step(num_tokens, self.kv_cache)
-        self.capture_seconds: float | None = None  # how long capturing the graphs took; None: not captured
-        self.graph_memory_bytes = 0  # what the captured graphs hold on the GPU
-        if self.device.type == "cuda" and use_triton(self.device) and not config.enforce_eager:
-            self.capture_seconds, self.graph_memory_bytes = self.runner.capture()
-            log.info("captured the decode step for batch sizes %s in %.1f s (%.0f MiB)", self.runner.sizes,
-                     self.capture_seconds, self.graph_memory_bytes / 2**20)
-
-    def run_dummy_step(self, num_tokens: int, kv_cache: KVCache) -> None:
-        """One forward pass of ``num_tokens`` tokens of one sequence that writes nothing (slot -1) and reads
-        block 0 for every position: to compile the kernels, and to measure the activations' peak."""
-        inputs = StepInput(input_ids=[0] * num_tokens, positions=list(range(num_tokens)),
-                           slot_mapping=[-1] * num_tokens, query_start_loc=[0, num_tokens], seq_lens=[num_tokens],
-                           block_tables=[[0] * -(-num_tokens // kv_cache.shape.block_size)],
-                           logits_indices=[num_tokens - 1], prompt_logits_indices=[], num_prompt_logits=[0])
-        ModelRunner(self.model, kv_cache, kv_cache.shape.block_size, self.device, self.config.max_num_seqs,
-                    self.max_model_len).execute(inputs)
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -33,6 +33,7 @@ step (``run_eager``): their shapes change every step.
 
 from __future__ import annotations
 
+import logging
 import time
 from bisect import bisect_left
 from dataclasses import dataclass
@@ -40,11 +41,16 @@ from itertools import pairwise
 
 import torch
 
+from common.device import keep_freed_memory
+
 from .attention import AttentionMetadata, use_triton
 from .block_manager import token_slots
-from .kv_cache import KVCache
+from .config import EngineConfig
+from .kv_cache import KVCache, budget_bytes
 from .model import LlamaForCausalLM
 from .scheduler import Batch
+
+log = logging.getLogger("llm-course")
 
 
 @dataclass
@@ -166,6 +172,8 @@ class ModelRunner:
         dtype = model.model.embed_tokens.weight.dtype
         self.buffers = StaticBuffers.allocate(self.sizes[-1], width, model.config.hidden_size, dtype, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # bucket -> its captured decode step (CUDA only)
+        self.capture_seconds: float | None = None  # how long capturing the graphs took; None: not captured
+        self.graph_memory_bytes = 0  # what the captured graphs hold on the GPU
 
     def prepare(self, batch: Batch) -> StepInput:
         """Each sequence's ``num_scheduled_tokens`` tokens after its ``num_computed_tokens``, laid end to end."""
@@ -264,8 +272,8 @@ class ModelRunner:
         return logits, prompt_logits
 
     @torch.inference_mode()
-    def capture(self) -> tuple[float, int]:
-        """Capture every bucket's decode step into a CUDA graph; return the seconds it took and the bytes of
+    def capture(self) -> None:
+        """Capture every bucket's decode step into a CUDA graph; keep the seconds it took and the bytes of
         GPU memory it took (the graphs' shared pool: the activations of the largest bucket, mostly).
 
         Largest first, all into one memory pool: the largest graph's activations size the pool and every
@@ -285,4 +293,46 @@ class ModelRunner:
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()
-        return time.perf_counter() - start, free_before - torch.cuda.mem_get_info(self.device)[0]
+        self.capture_seconds = time.perf_counter() - start
+        self.graph_memory_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
+
+
+# --- building a runner --------------------------------------------------------------------------------
+
+
+def start_runner(config: EngineConfig, model: LlamaForCausalLM, device: torch.device,
+                 max_num_batched_tokens: int) -> ModelRunner:
+    """The model runner with its KV-cache pool, warmed up, its graphs captured: what the engine builds once
+    the weights are loaded.
+
+    The pool comes after the weights, so that on CUDA it takes a share of what they left; and after one run
+    of the largest step, whose activations it must leave room for."""
+    max_model_len, dtype = model.config.max_position_embeddings, model.model.embed_tokens.weight.dtype
+    shape = model.config.cache_shape(config.block_size, dtype)
+    if device.type == "cuda":  # what the largest step's activations take, before the pool takes the rest
+        run_dummy_step(model, KVCache.allocate(shape, shape.bytes_per_block, device), device,
+                       min(max_num_batched_tokens, max_model_len))
+    if device.type == "cpu":  # attention's gathers allocate tens of MB per layer and step: keep them
+        keep_freed_memory()
+    kv_cache = KVCache.allocate(shape, budget_bytes(device, config.kv_cache_mb, config.gpu_memory_utilization),
+                                device)
+    runner = ModelRunner(model, kv_cache, config.block_size, device, config.max_num_seqs, max_model_len)
+    # Warm up: compile every kernel now (a decode step and an extend step), not in a user's request.
+    for num_tokens in (1, 2):
+        run_dummy_step(model, kv_cache, device, num_tokens)
+    if device.type == "cuda" and use_triton(device) and not config.enforce_eager:
+        runner.capture()
+        log.info("captured the decode step for batch sizes %s in %.1f s (%.0f MiB)", runner.sizes,
+                 runner.capture_seconds, runner.graph_memory_bytes / 2**20)
+    return runner
+
+
+def run_dummy_step(model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device, num_tokens: int) -> None:
+    """One forward pass of ``num_tokens`` tokens of one sequence that writes nothing (slot -1) and reads
+    block 0 for every position: to compile the kernels, and to measure the activations' peak."""
+    inputs = StepInput(input_ids=[0] * num_tokens, positions=list(range(num_tokens)),
+                       slot_mapping=[-1] * num_tokens, query_start_loc=[0, num_tokens], seq_lens=[num_tokens],
+                       block_tables=[[0] * -(-num_tokens // kv_cache.shape.block_size)],
+                       logits_indices=[num_tokens - 1], prompt_logits_indices=[], num_prompt_logits=[0])
+    runner = ModelRunner(model, kv_cache, kv_cache.shape.block_size, device, 1, model.config.max_position_embeddings)
+    runner.execute(inputs)

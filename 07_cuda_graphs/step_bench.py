@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     device, dtype = device_and_dtype(args.device, args.dtype)
     engine = Engine(EngineConfig(model=args.model, device=device, dtype=dtype, max_num_seqs=max(args.batch_sizes)))
-    runner, graphs = engine.runner, engine.capture_seconds is not None
+    runner, graphs = engine.runner, engine.runner.capture_seconds is not None
     block_size = engine.kv_cache.shape.block_size
     rows, profiles = [], {}
     with torch.inference_mode():
@@ -136,8 +136,8 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"{key}: {p['aten_calls']} aten calls, {p['aten_self_cpu_ms']:.1f} ms inside them of "
                           f"{p['wall_ms_under_profiler']:.1f} ms (under the profiler)", flush=True)
     result = {"name": args.name or f"{STAGE}_decode_steps", "stage": STAGE, "device": device, "dtype": dtype,
-              "context": args.context, "capture_seconds": engine.capture_seconds,
-              "graph_memory_bytes": engine.graph_memory_bytes, "buckets": runner.sizes,
+              "context": args.context, "capture_seconds": engine.runner.capture_seconds,
+              "graph_memory_bytes": engine.runner.graph_memory_bytes, "buckets": runner.sizes,
               "machine": machine_info(device), "command": shlex.join(sys.orig_argv), **git_state(),
               "date": datetime.now(UTC).isoformat(timespec="seconds"), "steps": rows, "profiles": profiles}
     out = RESULTS / device / f"{result['name']}.json"

@@ -100,9 +100,10 @@ def main() -> None:
     print(f"Steps: up to {args.max_num_seqs} sequences, {engine.max_num_batched_tokens} tokens (decodes and their "
           "guesses first, then prompt chunks)")
     print(f"Prefix cache: {args.prefix_cache}")
-    if engine.capture_seconds is not None:
-        print(f"CUDA graphs: the decode step captured for batch sizes {engine.runner.sizes} "
-              f"in {engine.capture_seconds:.1f} s, holding {engine.graph_memory_bytes / 2**20:.0f} MiB of the GPU "
+    runner = engine.runner
+    if runner.capture_seconds is not None:
+        print(f"CUDA graphs: the decode step captured for batch sizes {runner.sizes} "
+              f"in {runner.capture_seconds:.1f} s, holding {runner.graph_memory_bytes / 2**20:.0f} MiB of the GPU "
               "(steps with guesses run eagerly)")
     else:
         why = "--enforce-eager" if args.enforce_eager else "they need CUDA and the Triton kernels"

@@ -1,11 +1,12 @@
-"""Sampling, batched: turn each sequence's logits for its next position into one token id.
+"""Sampling, batched: what each sequence's logits become before a token is chosen.
 
 Every request of a batch brings its own parameters. First the penalties and ``logit_bias`` of the
 rows that have them adjust their logits, in one operation for all of them. Greedy rows
 (temperature 0) take the argmax. The others are divided by their temperature, cut down to their
 ``top_k`` best tokens and to the smallest set whose probability reaches their ``top_p``, all rows
-at once; then each row draws one token with noise from *its own* random stream, so a seeded
-request gives the same text whatever else shares its batch.
+at once. The token itself is chosen by verification (``speculative.py``): a row without guesses
+draws one token with noise from *its own* random stream, so a seeded request gives the same text
+whatever else shares its batch.
 
 A *logprob* is the log-softmax of the raw logits, before penalties, temperature, top-k and top-p
 (vLLM's convention), in float32; it is computed only for the rows whose requests asked for it.
@@ -134,22 +135,6 @@ def logits_to_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     if any(p.top_p < 1.0 for p in params):
         logits = apply_top_p(logits, torch.tensor([p.top_p for p in params], device=device))
     return torch.softmax(logits, dim=-1)
-
-
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
-           output_ids: list[list[int]] | None = None) -> list[int]:
-    """One token id per row of ``logits``, each row by its own parameters and random stream."""
-    # logits: [B, V] -> B token ids; output_ids: what each row generated so far (for penalties)
-    logits = apply_penalties(logits, params, output_ids or [[] for _ in params])
-    tokens = torch.argmax(logits, dim=-1)  # [B]: the answer for greedy rows
-    drawn = [i for i, p in enumerate(params) if not p.greedy]
-    if drawn:
-        probs = logits_to_probs(logits[drawn], [params[i] for i in drawn])  # [b, V]
-        # The exponential race: argmax(p / E) with E ~ Exp(1) picks token i with probability p_i.
-        # Each row's noise comes from its request's own generator, so no row affects another.
-        noise = torch.stack([torch.empty_like(probs[0]).exponential_(generator=generators[i]) for i in drawn])
-        tokens[drawn] = torch.argmax(probs / noise, dim=-1)
-    return tokens.tolist()
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: list[int], ks: list[int | None]) -> list[TokenLogprobs | None]:

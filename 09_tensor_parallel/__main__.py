@@ -20,8 +20,8 @@ from .async_engine import AsyncEngine
 from .config import EngineConfig
 from .distributed import under_torchrun
 from .engine import Engine, token_budget
-from .rank import run_worker
 from .sampler import SamplingParams
+from .worker import run_worker
 
 
 def answer(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
@@ -86,9 +86,10 @@ def serve_or_demo(engine: Engine, args) -> None:
     print(f"Prefix cache: {args.prefix_cache}")
     others = " (each of the others prints its own)" if engine.tp.size > 1 else ""
     print(f"Tensor parallel: {engine.memory_report()}{others}")
-    if engine.capture_seconds is not None:
-        print(f"CUDA graphs: the decode step captured for batch sizes {engine.runner.sizes} "
-              f"in {engine.capture_seconds:.1f} s, holding {engine.graph_memory_bytes / 2**20:.0f} MiB of the GPU "
+    runner = engine.runner
+    if runner.capture_seconds is not None:
+        print(f"CUDA graphs: the decode step captured for batch sizes {runner.sizes} "
+              f"in {runner.capture_seconds:.1f} s, holding {runner.graph_memory_bytes / 2**20:.0f} MiB of the GPU "
               "(steps with guesses run eagerly)")
     else:
         why = "--enforce-eager" if args.enforce_eager else "they need CUDA and the Triton kernels"

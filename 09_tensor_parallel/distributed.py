@@ -14,7 +14,7 @@ Two ways to start them:
     torchrun --nproc-per-node 2 -m 09_tensor_parallel ...     torchrun starts every rank (on one machine or
                                                               several); each finds the others through env://
 
-Every rank starts up the same way (``rank.py``). Then each step rank 0 *broadcasts* the step's plain
+Every rank starts up the same way (``worker.py``). Then each step rank 0 *broadcasts* the step's plain
 numbers (a ``StepInput``) and every rank runs the same forward pass on its own slices; the collectives inside
 the model keep them in step; ``Stop`` is the last message. These control messages go through a second,
 gloo-only group, pickled: a step is a few kilobytes of Python lists, and on a GPU machine it must not wait

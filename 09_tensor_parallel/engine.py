@@ -15,7 +15,7 @@ of its own: 1 to k + 1 tokens per sequence and step, exactly those it would have
 The rejected guesses' blocks go back to the pool.
 
 The model may be split across N processes (``--tensor-parallel-size``). This engine is rank 0: it
-starts the other ranks, and every rank starts up the same way (``rank.py``: the number of KV blocks is
+starts the other ranks, and every rank starts up the same way (``worker.py``: the number of KV blocks is
 the smallest any rank can hold). Then only rank 0 schedules; the others are model runners that run each
 step it sends them. A rank that dies, or a step that fails on one, stops the engine (the ranks can no
 longer be in step) and every rank.
@@ -42,16 +42,16 @@ from .detokenizer import IncrementalDetokenizer
 from .distributed import RanksOutOfStep, device_of, start_ranks
 from .kv_cache import KVCache
 from .model import LlamaForCausalLM, ModelConfig
-from .model_runner import StepInput
+from .model_runner import StepInput, start_runner
 from .prefix_index import HashIndex, PrefixIndex
 from .proposer import DraftProposer, NgramProposer, layer_skip_draft, load_draft
 from .radix_tree import RadixTree
-from .rank import memory_report, run_worker, start_rank
 from .sampler import SamplingParams, TokenLogprobs, compute_logprobs, make_generator
 from .scheduler import Batch, Sampled, Scheduler
 from .sequence import Sequence, StepKind, StepResult
 from .speculative import Speculation, verify
 from .stats import EngineStats, KVBlockStats, PrefixCacheStats
+from .worker import memory_report, run_worker
 
 log = logging.getLogger("llm-course")
 
@@ -99,7 +99,7 @@ def sample_seed(seed: int | None, index: int) -> int | None:
 class Engine:
     """One model, one KV-cache pool, and a scheduler that batches every request it holds.
 
-    With tensor parallelism this engine is rank 0: it starts the other ranks (``rank.run_worker``), which are
+    With tensor parallelism this engine is rank 0: it starts the other ranks (``worker.run_worker``), which are
     model runners only, and sends them every step it runs."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -121,11 +121,9 @@ class Engine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         draft = self.make_draft(config)  # before the pool: a separate draft's weights are not the pool's to take
         draft_shape = draft.config.cache_shape(config.block_size, self.dtype) if draft is not None else None
-        # The same start-up as every other rank's, collective for collective: the pool, warm-up, graphs.
-        started = start_rank(config, self.model, self.max_num_batched_tokens,
-                             draft_shape.bytes_per_block if draft_shape else 0)
-        self.runner, self.kv_cache = started.runner, started.runner.kv_cache
-        self.capture_seconds, self.graph_memory_bytes = started.capture_seconds, started.graph_memory_bytes
+        self.runner = start_runner(config, self.model, self.device, self.max_num_batched_tokens,
+                                   draft_shape.bytes_per_block if draft_shape else 0)
+        self.kv_cache = self.runner.kv_cache
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size,
                                           make_index(config.prefix_cache, config.block_size))
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,

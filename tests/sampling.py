@@ -1,8 +1,9 @@
 """Any stage's sampler through one row at a time, so that one set of sampler tests covers every stage.
 
 Stages before continuous batching (01 to 03) sample one sequence: ``sample(logits [V], params, generator)``.
-With it (04 on) the sampler takes a batch: ``sample(logits [B, V], [params], [generators])``. ``OneRow``
-calls either with a single row and returns that row's answer."""
+With it (04 on) the sampler takes a batch: ``sample(logits [B, V], [params], [generators])``. With
+speculative decoding (08 on) verification chooses every token: a row without guesses is ``verify``'s run of
+one. ``OneRow`` calls whichever the stage has with a single row and returns that row's answer."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ class OneRow:
     def __init__(self, folder: str) -> None:
         self.module = stage(folder, "sampler")
         self.batched = has(folder, "batching")  # the sampler takes a batch of rows, a generator each
+        self.verifies = has(folder, "speculation")  # verification chooses every token, with or without guesses
+        self.speculative = stage(folder, "speculative") if self.verifies else None
 
     def __getattr__(self, name: str) -> Any:  # SamplingParams, make_generator, MIN_TEMPERATURE, ...
         return getattr(self.module, name)
@@ -34,6 +37,8 @@ class OneRow:
 
     def sample(self, logits: torch.Tensor, params: Any, generator: torch.Generator,
                output_ids: list[int] | None = None) -> int:
+        if self.verifies:  # a row with no guesses: verification draws its one token
+            return self.speculative.verify(logits[None], [params], [[]], [None], [output_ids or []], [generator])[0][0]
         if self.batched:
             return self.module.sample(logits[None], [params], [generator], [output_ids or []])[0]
         if output_ids is None:  # stage 01's sampler has no penalties, hence no output ids

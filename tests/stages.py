@@ -143,9 +143,8 @@ TABLE = course(
           changes={
               "attention.py": ("decode_attention_reference", "length_groups"),
               "config.py": ("EngineConfig",),
-              "engine.py": ("<imports>", "Engine"),
               "model_runner.py": ("__doc__", "<imports>", "ModelRunner", "StaticBuffers", "bucket_for",
-                                  "graph_batch_sizes"),
+                                  "graph_batch_sizes", "log", "run_dummy_step", "start_runner"),
               "triton_attention.py": ("_merge_splits_kernel",),
           }),
     Stage("08_speculative", adds={"speculation"},
@@ -157,7 +156,8 @@ TABLE = course(
               "config.py": ("EngineConfig",),
               "engine.py": ("__doc__", "<imports>", "Engine"),
               "metrics.py": ("Metrics",),
-              "model_runner.py": ("__doc__", "ModelRunner"),
+              "model_runner.py": ("__doc__", "ModelRunner", "start_runner"),
+              "sampler.py": ("__doc__", "sample"),
               "scheduler.py": ("__doc__", "<imports>", "Sampled", "Scheduler"),
               "sequence.py": ("<imports>", "RequestOutput", "Sequence", "StepResult"),
               "server.py": ("__doc__", "create_app"),
@@ -171,7 +171,7 @@ TABLE = course(
               "engine.py": ("__doc__", "<imports>", "Engine", "check_tensor_parallel"),
               "model.py": ("__doc__", "<imports>", "Attention", "DecoderLayer", "LlamaForCausalLM", "LlamaModel", "MLP",
                            "ModelConfig", "load_safetensors"),
-              "model_runner.py": ("__doc__", "<imports>", "ModelRunner"),
+              "model_runner.py": ("__doc__", "<imports>", "ModelRunner", "start_runner"),
           }),
 )
 BY_FOLDER = {entry.folder: entry for entry in TABLE}

@@ -15,6 +15,7 @@ from .conftest import REPO, make_engine, stage
 from .prompts import CHAT_PROMPTS, TEXT_PROMPTS
 
 sampler = stage("04_continuous_batching", "sampler")
+runner_module = stage("04_continuous_batching", "model_runner")
 MODEL = "smollm2-135m-instruct"
 
 # 16 prompts of mixed lengths (3 to about 60 tokens): ragged prefills, and decodes that end at different steps.
@@ -306,5 +307,5 @@ def test_the_start_up_warm_up_writes_nothing_into_the_pool(model_dir):
     K/V to slot -1, which is nowhere: the pool must still hold only the zeros it was allocated with."""
     engine = make_engine("04_continuous_batching", model_dir, kv_cache_mb=4)
     assert engine.kv_cache.data.count_nonzero() == 0
-    engine.run_dummy_step(40, engine.kv_cache)  # several blocks' worth, all read from block 0
+    runner_module.run_dummy_step(engine.model, engine.kv_cache, engine.device, 40)  # 3 blocks, all read from block 0
     assert engine.kv_cache.data.count_nonzero() == 0

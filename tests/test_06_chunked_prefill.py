@@ -210,6 +210,13 @@ def engine(model_dir):
                        prefix_cache="off")
 
 
+@pytest.fixture(scope="module")
+def unchunked(model_dir):
+    """Stage 05's engine, each prompt in one step: what chunking must reproduce. Its own, not the session's
+    ``engine05``, which a live server may be driving on its own thread."""
+    return make_engine("05_prefix_cache", model_dir, kv_cache_mb=64)
+
+
 @pytest.fixture
 def cached_engine(model_dir):
     """Budget 16 with the prefix cache, fresh for each test: what it has cached is the test's own doing."""
@@ -283,21 +290,21 @@ def test_the_hidden_states_of_a_chunked_prompt_equal_the_whole_prompts(model_dir
     torch.testing.assert_close(normed(chunked), normed(whole), atol=1e-4, rtol=1e-5)
 
 
-def test_a_seeded_sample_is_the_same_chunked_or_not(engine, engine05):
+def test_a_seeded_sample_is_the_same_chunked_or_not(engine, unchunked):
     params = sampler.SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7)
     prompt_ids = chat(engine, "Recommend a novel about the sea.")
     engine.add_request("seeded", prompt_ids, params)
-    engine05.add_request("seeded", prompt_ids, stage("05_prefix_cache", "sampler").SamplingParams(
+    unchunked.add_request("seeded", prompt_ids, stage("05_prefix_cache", "sampler").SamplingParams(
         max_tokens=12, temperature=0.8, top_p=0.9, seed=7))
-    assert tokens(run_all(engine)["seeded"]) == tokens(run_all(engine05)["seeded"])  # mid-prompt steps draw nothing
+    assert tokens(run_all(engine)["seeded"]) == tokens(run_all(unchunked)["seeded"])  # mid-prompt steps draw nothing
 
 
-def test_prompt_logprobs_cover_every_position_across_chunks(engine, engine05):
+def test_prompt_logprobs_cover_every_position_across_chunks(engine, unchunked):
     prompt_ids = chat(engine, "Do you have audiobooks?")
     engine.add_request("echo", prompt_ids, greedy(0, prompt_logprobs=2))
-    engine05.add_request("echo", prompt_ids, stage("05_prefix_cache", "sampler").SamplingParams(
+    unchunked.add_request("echo", prompt_ids, stage("05_prefix_cache", "sampler").SamplingParams(
         max_tokens=0, temperature=0.0, prompt_logprobs=2))
-    chunked, whole = run_all(engine)["echo"][0].prompt_logprobs, run_all(engine05)["echo"][0].prompt_logprobs
+    chunked, whole = run_all(engine)["echo"][0].prompt_logprobs, run_all(unchunked)["echo"][0].prompt_logprobs
     assert len(chunked) == len(prompt_ids) - 1 == len(whole)
     assert [p.token_id for p in chunked] == prompt_ids[1:]
     for a, b in zip(chunked, whole, strict=True):
@@ -358,10 +365,10 @@ def test_abort_part_way_through_a_prompt_frees_everything(cached_engine):
     books_balance(cached_engine)
 
 
-def test_n_samples_of_a_chunked_prompt_equal_stage_05s(cached_engine, engine05):
+def test_n_samples_of_a_chunked_prompt_equal_stage_05s(cached_engine, unchunked):
     prompt_ids = chat(cached_engine, "Suggest a book for a rainy day.")
     cached_engine.add_request("three", prompt_ids, sampler.SamplingParams(max_tokens=6, temperature=0.9, seed=3), n=3)
-    engine05.add_request("three", prompt_ids, stage("05_prefix_cache", "sampler").SamplingParams(
+    unchunked.add_request("three", prompt_ids, stage("05_prefix_cache", "sampler").SamplingParams(
         max_tokens=6, temperature=0.9, seed=3), n=3)
 
     def by_sample(outputs) -> dict[int, list[int]]:
@@ -371,7 +378,7 @@ def test_n_samples_of_a_chunked_prompt_equal_stage_05s(cached_engine, engine05):
         return samples
 
     ours = by_sample(run_all(cached_engine)["three"])
-    assert ours == by_sample(run_all(engine05)["three"]) and len(ours) == 3
+    assert ours == by_sample(run_all(unchunked)["three"]) and len(ours) == 3
     books_balance(cached_engine)
 
 

@@ -204,8 +204,8 @@ def test_graph_replay_equals_eager_and_follows_a_growing_block_table(model_dir):
         pytest.skip("needs a CUDA GPU")
     engine = make_engine(FOLDER, model_dir, device="cuda", kv_cache_mb=64, max_num_seqs=16)
     runner = engine.runner
-    assert sorted(runner.graphs) == runner.sizes and engine.capture_seconds is not None
-    assert engine.graph_memory_bytes > 0, "the graphs' pool holds the largest bucket's activations"
+    assert sorted(runner.graphs) == runner.sizes and engine.runner.capture_seconds is not None
+    assert engine.runner.graph_memory_bytes > 0, "the graphs' pool holds the largest bucket's activations"
     for batch_size in (1, 3, 8, 13):
         step = decode_step(real_rows(engine, batch_size))
         replayed, _ = runner.execute(step)
