@@ -150,9 +150,9 @@ class AsyncEngine:
             started = time.perf_counter()
             result = self._engine.step()
             self.metrics.engine_busy.inc(time.perf_counter() - started)  # its rate: the busy fraction
-            self._stats = self._engine.stats()
-            self.metrics.count(self._counted, self._stats)
-            self._counted = self._stats
+            stats = self._engine.stats()
+            self.metrics.count(self._counted, stats)  # the counters move before the new snapshot is published:
+            self._stats = self._counted = stats  # whoever sees an idle engine sees its counters complete
             now = time.perf_counter()
             for output in result.outputs:
                 if (request := self._requests.get(output.request_id)) is None:

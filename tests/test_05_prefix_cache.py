@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from .conftest import REPO, make_engine, stage
+from .test_02_streaming import idle, wait_until
 
 FOLDER = "05_prefix_cache"
 sampler = stage(FOLDER, "sampler")
@@ -175,6 +176,9 @@ def test_a_small_pool_evicts_the_least_recently_used_blocks_last_block_first(mod
 def test_usage_metrics_and_health_report_the_hit(server05):
     client = server05.client()
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Do you lend e-books?"}]
+    # The session's server may still be finishing an earlier test's requests (a client that timed out): the
+    # counters are read once it is idle, so that they move by this test's two requests only.
+    assert wait_until(lambda: idle(server05), timeout=120)
     queries, hits = (server05.metric(f"llm_prefix_cache_{name}_total") for name in ("queries", "hits"))
     first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
     second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
