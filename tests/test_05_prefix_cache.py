@@ -11,8 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from .conftest import REPO, make_engine, stage
-from .test_02_streaming import idle, wait_until
+from .conftest import REPO, make_engine, serve_stage, stage
 
 FOLDER = "05_prefix_cache"
 sampler = stage(FOLDER, "sampler")
@@ -173,23 +172,24 @@ def test_a_small_pool_evicts_the_least_recently_used_blocks_last_block_first(mod
 # --- the server --------------------------------------------------------------------------------------
 
 
-def test_usage_metrics_and_health_report_the_hit(server05):
-    client = server05.client()
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Do you lend e-books?"}]
-    # The session's server may still be finishing an earlier test's requests (a client that timed out): the
-    # counters are read once it is idle, so that they move by this test's two requests only.
-    assert wait_until(lambda: idle(server05), timeout=120)
-    queries, hits = (server05.metric(f"llm_prefix_cache_{name}_total") for name in ("queries", "hits"))
-    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
-    second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
-    assert second.usage.prompt_tokens_details.cached_tokens >= 64
-    assert second.choices[0].message.content == first.choices[0].message.content
-    assert server05.metric("llm_prefix_cache_queries_total") - queries == 2 * second.usage.prompt_tokens
-    gained = server05.metric("llm_prefix_cache_hits_total") - hits
-    assert gained == first.usage.prompt_tokens_details.cached_tokens + second.usage.prompt_tokens_details.cached_tokens
-    assert server05.metric("llm_kv_blocks_cached") > 0
-    health = httpx.get(f"{server05.url}/health", timeout=10).json()
-    assert 0 < health["prefix_cache_hit_rate"] <= 1 and health["kv_blocks"]["cached"] > 0
+def test_usage_metrics_and_health_report_the_hit(model_dir):
+    """The counters move by exactly this test's two requests: a server of its own, whose engine no other test
+    steps directly (the session's engine05 is also driven offline by tests over every stage)."""
+    with serve_stage(FOLDER, make_engine(FOLDER, model_dir, kv_cache_mb=64)) as server:
+        client = server.client()
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Do you lend e-books?"}]
+        queries, hits = (server.metric(f"llm_prefix_cache_{name}_total") for name in ("queries", "hits"))
+        first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+        second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+        assert second.usage.prompt_tokens_details.cached_tokens >= 64
+        assert second.choices[0].message.content == first.choices[0].message.content
+        assert server.metric("llm_prefix_cache_queries_total") - queries == 2 * second.usage.prompt_tokens
+        gained = server.metric("llm_prefix_cache_hits_total") - hits
+        assert gained == (first.usage.prompt_tokens_details.cached_tokens
+                          + second.usage.prompt_tokens_details.cached_tokens)
+        assert server.metric("llm_kv_blocks_cached") > 0
+        health = httpx.get(f"{server.url}/health", timeout=10).json()
+        assert 0 < health["prefix_cache_hit_rate"] <= 1 and health["kv_blocks"]["cached"] > 0
 
 
 def test_streamed_usage_reports_cached_tokens_too(server05):
