@@ -8,7 +8,6 @@ event loop that serves HTTP, so the server stays responsive while the model comp
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 
 import torch
@@ -23,8 +22,6 @@ from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .sampler import SamplingParams, compute_logprobs, make_generator, sample
 from .sequence import RequestOutput
-
-log = logging.getLogger("llm-course")
 
 
 class InvalidRequest(ValueError):

@@ -1,5 +1,5 @@
-"""What the engine reports of itself: frozen snapshots, taken on the engine thread after each step and read
-by ``/health`` and ``/metrics`` from any thread (a snapshot is replaced, never modified)."""
+"""What the engine reports of itself: a frozen snapshot of its load, which ``/health`` reads from any
+thread (the async engine builds a new one from its gauges; none is ever modified)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,6 @@ will use that to batch them.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 
 import torch
@@ -29,8 +28,6 @@ from .model import LlamaForCausalLM
 from .sampler import SamplingParams, compute_logprobs, make_generator, sample
 from .sequence import RequestOutput
 from .stats import KVBlockStats
-
-log = logging.getLogger("llm-course")
 
 WARM_UP_TOKENS = 256  # the start-up's extend step: a typical prompt, which the kernel's tiles are tuned on
 

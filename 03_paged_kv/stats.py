@@ -1,5 +1,6 @@
-"""What the engine reports of itself: frozen snapshots, taken on the engine thread after each step and read
-by ``/health`` and ``/metrics`` from any thread (a snapshot is replaced, never modified)."""
+"""What the engine reports of itself: frozen snapshots of its load and of the pool, which ``/health`` and
+``/metrics`` read from any thread (the engine thread replaces the pool's after each request; none is ever
+modified)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,6 @@ that arrives mid-way joins at the next step.
 
 from __future__ import annotations
 
-import logging
 import time
 
 import torch
@@ -31,8 +30,6 @@ from .sampler import SamplingParams, compute_logprobs, make_generator, sample
 from .scheduler import Batch, Sampled, Scheduler
 from .sequence import Sequence, StepKind, StepResult
 from .stats import EngineStats, KVBlockStats
-
-log = logging.getLogger("llm-course")
 
 
 class InvalidRequest(ValueError):

@@ -13,7 +13,6 @@ mid-way joins at the next step; the ``n`` samples of a request share its prompt'
 
 from __future__ import annotations
 
-import logging
 import time
 
 import torch
@@ -34,8 +33,6 @@ from .sampler import SamplingParams, compute_logprobs, make_generator, sample
 from .scheduler import Batch, Sampled, Scheduler
 from .sequence import Sequence, StepKind, StepResult
 from .stats import EngineStats, KVBlockStats, PrefixCacheStats
-
-log = logging.getLogger("llm-course")
 
 
 class InvalidRequest(ValueError):

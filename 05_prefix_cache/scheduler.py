@@ -178,9 +178,8 @@ class Scheduler:
         request whose prompt is now cached, append each new token, decide whether the sequence is done (and
         free it), and return every sequence's output. A failure in one sequence's own work (its text, its stop
         strings) fails that sequence alone."""
-        outputs = []
+        outputs, block_size = [], self.block_manager.block_size
         for seq, news in zip(batch.seqs, sampled, strict=True):
-            block_size = self.block_manager.block_size
             filled = seq.num_tokens // block_size > seq.num_computed_tokens // block_size
             seq.num_computed_tokens = seq.num_tokens
             if filled:  # this step filled a block (a decode does once every block_size steps): index it

@@ -14,7 +14,6 @@ everyone else's decodes.
 
 from __future__ import annotations
 
-import logging
 import time
 
 import torch
@@ -35,8 +34,6 @@ from .sampler import SamplingParams, TokenLogprobs, compute_logprobs, make_gener
 from .scheduler import Batch, Sampled, Scheduler
 from .sequence import Sequence, StepKind, StepResult
 from .stats import EngineStats, KVBlockStats, PrefixCacheStats
-
-log = logging.getLogger("llm-course")
 
 
 class InvalidRequest(ValueError):

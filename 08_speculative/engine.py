@@ -20,7 +20,6 @@ The rejected guesses' blocks go back to the pool.
 
 from __future__ import annotations
 
-import logging
 import time
 
 import torch
@@ -44,8 +43,6 @@ from .scheduler import Batch, Sampled, Scheduler
 from .sequence import Sequence, StepKind, StepResult
 from .speculative import Speculation, verify
 from .stats import EngineStats, KVBlockStats, PrefixCacheStats
-
-log = logging.getLogger("llm-course")
 
 
 class InvalidRequest(ValueError):

@@ -26,7 +26,6 @@ longer be in step) and every rank.
 
 from __future__ import annotations
 
-import logging
 import time
 
 import torch
@@ -39,7 +38,7 @@ from common.weights import resolve_model
 from .block_manager import BlockManager
 from .config import CPU_TOKEN_BUDGET, CUDA_TOKEN_BUDGET, EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .distributed import RanksOutOfStep, device_of, start_ranks
+from .distributed import RanksOutOfStep, TPGroup, device_of, start_ranks
 from .kv_cache import KVCache
 from .model import LlamaForCausalLM, ModelConfig
 from .model_runner import StepInput, start_runner
@@ -52,8 +51,6 @@ from .sequence import Sequence, StepKind, StepResult
 from .speculative import Speculation, verify
 from .stats import EngineStats, KVBlockStats, PrefixCacheStats
 from .worker import memory_report, run_worker
-
-log = logging.getLogger("llm-course")
 
 
 class InvalidRequest(ValueError):
@@ -111,10 +108,9 @@ class Engine:
         check_tensor_parallel(config, ModelConfig.from_pretrained(model_dir))  # before any process starts
         self.ranks = start_ranks(config.tensor_parallel_size, self.device, config.dist_timeout, run_worker,
                                  (config, self.max_num_batched_tokens))
-        self.tp = self.ranks.tp
-        self.device = device_of(self.device, self.tp)  # on CUDA each rank its own GPU
+        self.device = device_of(self.device, self.ranks.tp)  # on CUDA each rank its own GPU
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-        self.model = LlamaForCausalLM.from_pretrained(model_dir, dtype=self.dtype, device=self.device, tp=self.tp)
+        self.model = LlamaForCausalLM.from_pretrained(model_dir, dtype=self.dtype, device=self.device, tp=self.ranks.tp)
         self.max_model_len: int = self.model.config.max_position_embeddings
         self.eos_token_ids = set(self.model.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -136,6 +132,11 @@ class Engine:
             self.draft_kv_cache = KVCache.allocate(draft_shape, num_blocks * draft_shape.bytes_per_block, self.device)
             self.proposer = DraftProposer(draft, self.draft_kv_cache, config.block_size, self.device,
                                           config.max_num_seqs, self.max_model_len, self.max_num_batched_tokens)
+
+    @property
+    def tp(self) -> TPGroup:
+        """This engine's place among the ranks (one rank: no group; once shut down: one rank again)."""
+        return self.ranks.tp
 
     def check_ranks(self) -> None:
         """Raise EngineStopped if a rank this engine started has exited (torchrun watches its own ranks)."""

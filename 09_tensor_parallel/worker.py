@@ -38,9 +38,10 @@ def run_worker(rank: int, init_method: str, config: EngineConfig, max_num_batche
     tp = join(rank, config.tensor_parallel_size, init_method, device, config.dist_timeout,
               local_rank=int(os.environ.get("LOCAL_RANK", rank)))
     try:
+        device = device_of(device, tp)  # on CUDA each rank its own GPU
         model = LlamaForCausalLM.from_pretrained(resolve_model(config.model), dtype=pick_dtype(config.dtype, device),
-                                                 device=device_of(device, tp), tp=tp)
-        runner = start_runner(config, model, device_of(device, tp), max_num_batched_tokens)  # as rank 0 does
+                                                 device=device, tp=tp)
+        runner = start_runner(config, model, device, max_num_batched_tokens)  # as rank 0 does
         print(memory_report(runner), flush=True)
         serve(runner, tp)
     finally:
