@@ -30,6 +30,17 @@ class LiveServer:
                 return float(line.split()[1])
         raise KeyError(name)
 
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        """Wait until /metrics shows nothing running or waiting (a session server's earlier test may
+        have left a request that its client abandoned still finishing); True once idle."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.metric("llm_requests_running") == 0 and self.metric("llm_requests_waiting") == 0:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+
 
 def wait_healthy(url: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout

@@ -128,6 +128,7 @@ def test_same_seed_same_text(server02):
 
 
 def test_models_health_and_metrics(server02):
+    assert server02.wait_idle()  # the counts below are this test's alone
     client = server02.client()
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{server02.url}/health").json() == {"status": "ok", "running": 0, "waiting": 0}
@@ -264,10 +265,6 @@ def wait_until(condition, timeout: float) -> bool:
     return condition()
 
 
-def idle(server) -> bool:
-    return server.metric("llm_requests_running") == 0 and server.metric("llm_requests_waiting") == 0
-
-
 def test_disconnect_mid_stream_frees_the_engine(server02):
     client = server02.client()
     stream = client.completions.create(model=MODEL, prompt="Count forever:", max_tokens=4000, stream=True,
@@ -275,7 +272,7 @@ def test_disconnect_mid_stream_frees_the_engine(server02):
     next(iter(stream))  # the first chunk arrived: generation is running
     assert server02.metric("llm_requests_running") == 1
     stream.close()
-    assert wait_until(lambda: idle(server02), timeout=2.0)
+    assert server02.wait_idle(timeout=2.0)
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
 
 
@@ -295,7 +292,7 @@ def test_disconnect_while_waiting_and_while_not_streaming(server02):
     thread.join()
     assert wait_until(lambda: server02.metric("llm_requests_waiting") == 0, timeout=2.0)
     running.close()
-    assert wait_until(lambda: idle(server02), timeout=2.0)
+    assert server02.wait_idle(timeout=2.0)
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
 
 

@@ -282,6 +282,7 @@ def test_http_chat_greedy_equals_hf(server04, engine04, hf_greedy, prompt):
 
 
 def test_health_and_metrics(server04, engine04):
+    assert server04.wait_idle()
     health = httpx.get(f"{server04.url}/health").json()
     assert health["running"] == 0 and health["waiting"] == 0
     assert health["kv_blocks"]["used"] == 0 and health["kv_blocks"]["total"] == engine04.block_manager.num_blocks

@@ -29,6 +29,7 @@ def run_level(url: str, *, stream: bool, concurrency: int, num_requests: int, ma
 
 
 def test_loadgen_streams_against_stage_02(server02):
+    assert server02.wait_idle()  # the in-flight counts below are this test's alone
     assert asyncio.run(loadgen.probe_streaming(server02.url, MODEL))
     level = run_level(server02.url, stream=True, concurrency=3, num_requests=6, max_tokens=12)
     assert len(level.records) == 6
