@@ -28,7 +28,8 @@ those on CUDA (or when ``LLM_ATTENTION=triton``), and the tests check that both 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -48,6 +49,26 @@ class AttentionMetadata:
     max_query_len: int  # the most new tokens of any sequence (1: every sequence decodes one token)
     logits_indices: torch.Tensor  # [N] int64: the rows of T whose logits the step needs
 
+    # What every layer would otherwise work out again from the tensors above: computed by the first layer that
+    # asks (cached_property), read by the others. A step's metadata is built anew for every forward pass.
+    @cached_property
+    def kv_writes(self) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(the rows of T that store their K/V, or None: all of them; their slots)."""
+        real = self.slot_mapping >= 0  # [T]: -1 marks a padding row, which must never land in a real block
+        if bool(real.all()):
+            return None, self.slot_mapping
+        rows = real.nonzero().flatten()
+        return rows, self.slot_mapping[rows]
+
+    _decode_groups: list[DecodeGroup] | None = field(default=None, init=False, repr=False)
+
+    def decode_groups(self, block_size: int) -> list[DecodeGroup]:
+        """The decode step's rows in groups of similar length, with their block ids and masks: the same for
+        every layer (the PyTorch path's; the Triton kernel reads the block tables itself)."""
+        if self._decode_groups is None:
+            self._decode_groups = decode_groups(self.block_tables, self.seq_lens, block_size)
+        return self._decode_groups
+
 
 def use_triton(device: torch.device) -> bool:
     """Triton kernels on CUDA; ``LLM_ATTENTION=triton`` or ``=torch`` forces a choice (tests use both)."""
@@ -61,13 +82,20 @@ def use_triton(device: torch.device) -> bool:
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store each new token's key and value in its cache slot; a slot of -1 stores nothing."""
+             slot_mapping: torch.Tensor, writes: tuple[torch.Tensor | None, torch.Tensor] | None = None) -> None:
+    """Store each new token's key and value in its cache slot; a slot of -1 stores nothing.
+
+    ``writes``: the rows that store and their slots, when the caller worked them out once for every layer
+    (``AttentionMetadata.kv_writes``)."""
     # k, v: [T, Hkv, D]; k_cache, v_cache: [N, S, Hkv, D] (N blocks of S slots); slot_mapping: [T]
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    real = slot_mapping >= 0  # [T]: -1 marks a padding row, which must never land in a real block
-    k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slot_mapping[real]] = k[real]
-    v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slot_mapping[real]] = v[real]
+    if writes is None:
+        real = slot_mapping >= 0  # [T]: -1 marks a padding row, which must never land in a real block
+        writes = real.nonzero().flatten(), slot_mapping[real]
+    rows, slots = writes  # rows None: every row stores
+    k, v = (k, v) if rows is None else (k[rows], v[rows])
+    k_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slots, k)
+    v_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slots, v)
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -94,29 +122,55 @@ def length_groups(seq_lens: torch.Tensor, shortest: int = 256) -> list[torch.Ten
     return [*groups, order[first:]]
 
 
+@dataclass
+class DecodeGroup:
+    """Decode rows that share one padded layout of L = blocks * block_size positions."""
+
+    rows: torch.Tensor | None  # [G]: the batch's rows in the group; None: all of them, in order
+    tables: torch.Tensor  # [G, blocks]: their block tables cut to the group's longest, contiguous (gathered as is)
+    visible: torch.Tensor  # [G, 1, 1, L] bool: False on padding (broadcast over heads and the one query)
+
+
+def decode_groups(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> list[DecodeGroup]:
+    """``length_groups``, each with what attention reads: its block ids and the mask of its padding."""
+    groups = length_groups(seq_lens)
+    result = []
+    for rows in groups:
+        lens = seq_lens[rows]  # [G]
+        tables = block_tables[rows, : -(-int(lens.max()) // block_size)]  # [G, blocks of the group's longest]
+        positions = torch.arange(tables.shape[1] * block_size, device=seq_lens.device)  # [L]
+        visible = positions[None, :] < lens[:, None]  # [G, L]
+        if len(groups) == 1 and len(rows) == len(seq_lens):  # one group of every row: keep the batch's order
+            rows, visible = None, positions[None, :] < seq_lens[:, None]
+            tables = block_tables[:, : tables.shape[1]]
+        result.append(DecodeGroup(rows, tables.contiguous(), visible[:, None, None, :]))
+    return result
+
+
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
+                               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                               groups: list[DecodeGroup] | None = None) -> torch.Tensor:
     """Each sequence's single query attends to all of its cached tokens (its own new one included).
 
     Many sequences at once: gather their keys and values into a padded [B, L] layout, then one
     masked attention, no Python loop over the sequences. Padding costs as much as real keys, so
     sequences of very different lengths (one 3,000-token document among 200-token chats) do not
-    share one layout: they go in groups of similar length, each padded to its own longest."""
+    share one layout: they go in groups of similar length, each padded to its own longest.
+
+    ``groups``: the step's ``decode_groups``, when the caller worked them out once for every layer."""
     # q: [B, H, D]; caches: [N, S, Hkv, D]; block_tables: [B, max_blocks]; seq_lens: [B] -> [B, H, D]
-    out = torch.empty_like(q)
-    block_size = k_cache.shape[1]
-    for rows in length_groups(seq_lens):
-        lens = seq_lens[rows]  # [G]
-        tables = block_tables[rows, : -(-int(lens.max()) // block_size)]  # [G, blocks of the group's longest]
-        keys = gather_kv(k_cache, tables).transpose(1, 2)  # [G, Hkv, L, D]
-        values = gather_kv(v_cache, tables).transpose(1, 2)
-        positions = torch.arange(keys.shape[2], device=q.device)
-        visible = positions[None, :] < lens[:, None]  # [G, L]: False on padding
+    groups = decode_groups(block_tables, seq_lens, k_cache.shape[1]) if groups is None else groups
+    out = None if len(groups) == 1 and groups[0].rows is None else torch.empty_like(q)
+    for group in groups:
+        keys = gather_kv(k_cache, group.tables).transpose(1, 2)  # [G, Hkv, L, D]
+        values = gather_kv(v_cache, group.tables).transpose(1, 2)
+        rows_q = q if group.rows is None else q[group.rows]  # [G, H, D]
         o = torch.nn.functional.scaled_dot_product_attention(
-            q[rows, :, None, :], keys, values, attn_mask=visible[:, None, None, :], scale=scale,
+            rows_q[:, :, None, :], keys, values, attn_mask=group.visible, scale=scale,
             enable_gqa=True)  # [G, H, 1, D]: each KV head serves its group of query heads
-        out[rows] = o[:, :, 0]
+        if out is None:  # every row in one group, in order: its output is the whole answer
+            return o[:, :, 0]
+        out[group.rows] = o[:, :, 0]
     return out
 
 
@@ -163,7 +217,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             return impl.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
         return impl.extend_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                      meta.max_query_len, scale)
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.kv_writes)
     if decode:
-        return decode_attention_reference(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+        return decode_attention_reference(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+                                          meta.decode_groups(k_cache.shape[1]))
     return extend_attention_reference(q, k_cache, v_cache, meta, scale)

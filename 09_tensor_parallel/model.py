@@ -11,8 +11,11 @@ The forward pass takes one *flat* step: ``T`` tokens with their own positions, n
 ``[batch, length]`` tensor. Which sequence each token belongs to is the ``AttentionMetadata``'s
 business; everything else in the model works token by token and never needs to know.
 
-Module names follow Hugging Face's (``model.layers.0.self_attn.q_proj``, ...), so loading a
-checkpoint is a plain ``load_state_dict`` of its safetensors.
+Module names follow Hugging Face's (``model.layers.0.self_attn.o_proj``, ...), with one change: the
+matrices that read the same input are stacked into one, q/k/v into ``qkv_proj`` and gate/up into
+``gate_up_proj``, so that a layer runs four matrix products instead of seven (one weight read, one call:
+on a GPU, one kernel). Each output feature is still its own dot product, so the numbers do not change;
+loading stacks the checkpoint's separate tensors (``checkpoint_parts``).
 
 Every layer with a weight matrix is a parallel layer (``parallel.py``), built for this
 process's rank of ``tp``: q/k/v and gate/up column-parallel, o_proj and down_proj row-parallel (an
@@ -37,6 +40,7 @@ from torch import nn
 from .attention import AttentionMetadata, paged_attention
 from .distributed import SINGLE, TPGroup
 from .kv_cache import CacheShape, KVCache
+from .matmul import linear
 from .parallel import ColumnParallelLinear, RowParallelLinear, Shard, VocabParallelEmbedding, even_shard, head_shards
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
@@ -159,7 +163,8 @@ def _eos_token_ids(config: dict[str, Any], generation_config: dict[str, Any]) ->
 
 
 class RMSNorm(nn.Module):
-    """Scale each vector to unit root-mean-square, then by a learned weight (no mean, no bias)."""
+    """Scale each vector to unit root-mean-square, then by a learned weight (no mean, no bias):
+    ``x / sqrt(mean(x^2) + eps) * weight``."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -167,10 +172,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, hidden]. The statistics in float32 even for a bfloat16 model, as Hugging Face does.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # x: [T, hidden]. The statistics in float32 even for a bfloat16 model, as Hugging Face does; F.rms_norm
+        # is that formula in one operator (five otherwise), and the weight multiplies after the cast back, as
+        # Hugging Face's does.
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 def rope_frequencies(config: ModelConfig) -> torch.Tensor:
@@ -231,9 +236,8 @@ class Attention(nn.Module):
         q_rows, kv_rows = head_shards(config.num_heads, config.num_kv_heads, config.head_dim, tp)
         self.head_dim = config.head_dim
         self.num_heads, self.num_kv_heads = q_rows.size // self.head_dim, kv_rows.size // self.head_dim  # this rank's
-        self.q_proj = ColumnParallelLinear(config.hidden_size, q_rows, bias=config.attention_bias)
-        self.k_proj = ColumnParallelLinear(config.hidden_size, kv_rows, bias=config.attention_bias)
-        self.v_proj = ColumnParallelLinear(config.hidden_size, kv_rows, bias=config.attention_bias)
+        # q, k and v stacked: this rank's rows of each, [q_size + 2 * kv_size, hidden] / N, one matrix product.
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q_rows, kv_rows, kv_rows], bias=config.attention_bias)
         self.o_proj = RowParallelLinear(Shard(1, q_rows.start, q_rows.stop), config.hidden_size,
                                         bias=config.o_proj_bias, tp=tp)
         self.scale = config.head_dim**-0.5
@@ -242,10 +246,11 @@ class Attention(nn.Module):
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         # x: [T, hidden]; kv_cache: this layer's K and V pools, each [num_blocks, block_size, Hkv, D]
         # (H and Hkv: this rank's heads)
-        q = apply_rotary(self.q_proj(x).view(-1, self.num_heads, self.head_dim), cos, sin)  # [T, H, D]
-        k = apply_rotary(self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
-        v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]: values are not rotated
-        out = paged_attention(q, k, v, *kv_cache, meta, self.scale)  # [T, H, D]
+        rotated = self.num_heads + self.num_kv_heads  # the query heads, then the key heads
+        qkv = self.qkv_proj(x).view(-1, rotated + self.num_kv_heads, self.head_dim)  # [T, H + 2 Hkv, D]
+        q, k = apply_rotary(qkv[:, :rotated], cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, rotated:]  # [T, Hkv, D]: values are not rotated
+        out = paged_attention(q, k, v, *kv_cache, meta, self.scale)  # q: [T, H, D], k: [T, Hkv, D] -> [T, H, D]
         return self.o_proj(out.flatten(1))  # [T, hidden]: summed over the ranks' heads
 
 
@@ -258,14 +263,15 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         rows = even_shard(config.intermediate_size, tp)
-        self.gate_proj = ColumnParallelLinear(config.hidden_size, rows, bias=config.mlp_bias)
-        self.up_proj = ColumnParallelLinear(config.hidden_size, rows, bias=config.mlp_bias)
+        # gate and up stacked: this rank's features of each, [2 * intermediate / N, hidden], one matrix product.
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [rows, rows], bias=config.mlp_bias)
         self.down_proj = RowParallelLinear(Shard(1, rows.start, rows.stop), config.hidden_size, bias=config.mlp_bias,
                                            tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, hidden] -> [T, intermediate / N] -> [T, hidden]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # x: [T, hidden] -> gate, up: [T, intermediate / N] each -> [T, hidden]
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -312,6 +318,18 @@ class CheckpointMismatch(ValueError):
     """The safetensors do not hold exactly the tensors the model has."""
 
 
+# The stacked matrices, and the checkpoint's tensors each is made of, in order.
+STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def checkpoint_parts(name: str) -> list[str]:
+    """The checkpoint tensors a parameter is made of: ``model.layers.0.mlp.gate_up_proj.weight`` ->
+    ``[model.layers.0.mlp.gate_proj.weight, model.layers.0.mlp.up_proj.weight]``; any other parameter is its own."""
+    module, _, param = name.rpartition(".")
+    parent, _, leaf = module.rpartition(".")
+    return [f"{parent}.{part}.{param}" for part in STACKED[leaf]] if leaf in STACKED else [name]
+
+
 class LlamaForCausalLM(nn.Module):
     """The decoder and its output projection: a step's hidden states, then the logits of the rows asked for."""
 
@@ -323,7 +341,7 @@ class LlamaForCausalLM(nn.Module):
         # Tied: the logits reuse the embedding matrix (this rank's rows of it), and there is no lm_head to load.
         # Untied: a column-parallel layer whose output features are token ids, split as the embedding is.
         self.lm_head = (None if config.tie_word_embeddings
-                        else ColumnParallelLinear(config.hidden_size, even_shard(config.vocab_size, tp), bias=False))
+                        else ColumnParallelLinear(config.hidden_size, [even_shard(config.vocab_size, tp)], bias=False))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -336,12 +354,14 @@ class LlamaForCausalLM(nn.Module):
         Each rank scores its slice of the vocabulary; rank 0 gathers them (the other ranks get None)."""
         # hidden: [R, hidden] -> logits: [R, vocab] float32 on rank 0, what the sampler wants
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [V / N, hidden]
-        return self.tp.gather(F.linear(self.model.norm(hidden), weight).float())  # [R, V / N] per rank -> [R, V]
+        return self.tp.gather(linear(self.model.norm(hidden), weight).float())  # [R, V / N] per rank -> [R, V]
 
     def weight_shards(self) -> dict[str, Shard]:
-        """Which slice of each checkpoint tensor this rank holds, by name (the tensors it holds whole: absent)."""
-        return {f"{prefix}.{name}": shard for prefix, module in self.named_modules()
-                for name, shard in getattr(module, "shards", {}).items() if getattr(module, name) is not None}
+        """Which slice of each checkpoint tensor this rank holds, by the checkpoint's name (the tensors it holds
+        whole: absent). A stacked parameter (qkv_proj) lists one slice per tensor it is made of (q, k, v)."""
+        return {part: shard for prefix, module in self.named_modules()
+                for name, shards in getattr(module, "shards", {}).items() if getattr(module, name) is not None
+                for part, shard in zip(checkpoint_parts(f"{prefix}.{name}"), shards, strict=True)}
 
     @property
     def num_weight_bytes(self) -> int:
@@ -361,12 +381,15 @@ class LlamaForCausalLM(nn.Module):
         weights = load_safetensors(model_dir, dtype, torch.device(device), model.weight_shards())
         if config.tie_word_embeddings:
             weights.pop("lm_head.weight", None)  # some tied checkpoints store the shared matrix twice
-        expected = model.state_dict().keys()
+        parts = {name: checkpoint_parts(name) for name in model.state_dict()}
+        expected = {part for names in parts.values() for part in names}
         missing, unexpected = sorted(expected - weights.keys()), sorted(weights.keys() - expected)
         if missing or unexpected:
             raise CheckpointMismatch(f"{model_dir} does not fit a {config.model_type} model of this config: "
                                      f"missing {_names(missing)}, unexpected {_names(unexpected)}")
-        model.load_state_dict(weights, assign=True)  # assign: the loaded tensors become the parameters
+        stacked = {name: torch.cat([weights.pop(part) for part in names]) if len(names) > 1 else weights.pop(names[0])
+                   for name, names in parts.items()}  # [q; k; v] and [gate; up] along the output features
+        model.load_state_dict(stacked, assign=True)  # assign: the loaded tensors become the parameters
         return model.to(device).requires_grad_(False).eval()  # .to moves the RoPE tables, built on the CPU
 
 

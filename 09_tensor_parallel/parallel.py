@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .distributed import TPGroup
+from .matmul import linear
 
 
 @dataclass(frozen=True)
@@ -80,18 +81,22 @@ class ColumnParallelLinear(nn.Module):
     """``y_r = x @ W_r^T + b_r``: rank r computes the output features ``rows`` of the full layer.
 
     Its input is the whole (replicated) ``x``; its output is this rank's slice, to be consumed by a
-    row-parallel layer or by something that works feature by feature (attention heads, SwiGLU)."""
+    row-parallel layer or by something that works feature by feature (attention heads, SwiGLU).
 
-    def __init__(self, in_features: int, rows: Shard, bias: bool) -> None:
+    A stacked layer (q/k/v, gate/up) is several checkpoint matrices in one: ``rows`` has this rank's rows
+    of each, in order, and W_r stacks them: [q_r; k_r; v_r], so the rank's output is its q, then its k and v."""
+
+    def __init__(self, in_features: int, rows: list[Shard], bias: bool) -> None:
         super().__init__()
-        assert rows.dim == 0
-        self.weight = nn.Parameter(torch.empty(rows.size, in_features))  # W_r: [out / N, in]
-        self.bias = nn.Parameter(torch.empty(rows.size)) if bias else None
-        self.shards = {"weight": rows, "bias": rows}
+        assert all(shard.dim == 0 for shard in rows)
+        size = sum(shard.size for shard in rows)
+        self.weight = nn.Parameter(torch.empty(size, in_features))  # W_r: [out / N, in]
+        self.bias = nn.Parameter(torch.empty(size)) if bias else None
+        self.shards = {"weight": rows, "bias": rows}  # per parameter: one slice per stacked checkpoint tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out / N]
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -104,7 +109,7 @@ class RowParallelLinear(nn.Module):
         assert columns.dim == 1
         self.weight = nn.Parameter(torch.empty(out_features, columns.size))  # W_r: [out, in / N]
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None  # the whole bias, on every rank
-        self.shards = {"weight": columns}
+        self.shards = {"weight": [columns]}
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,7 +117,7 @@ class RowParallelLinear(nn.Module):
         ### BEGIN SOLUTION 9.2
         # The bias goes into rank 0's part only: the all-reduce adds it once, not N times.
         bias = self.bias if self.tp.rank == 0 else None
-        return self.tp.all_reduce(F.linear(x, self.weight, bias))
+        return self.tp.all_reduce(linear(x, self.weight, bias))
         ### END SOLUTION
 
 
@@ -126,7 +131,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.rows = even_shard(vocab_size, tp)
         self.weight = nn.Parameter(torch.empty(self.rows.size, hidden_size))  # [V / N, hidden]
-        self.shards = {"weight": self.rows}
+        self.shards = {"weight": [self.rows]}
         self.tp = tp
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

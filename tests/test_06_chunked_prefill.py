@@ -283,9 +283,10 @@ def test_the_hidden_states_of_a_chunked_prompt_equal_the_whole_prompts(model_dir
     whole, chunked = hidden_states(len(prompt_ids)), hidden_states(7)
     assert whole.shape == (len(prompt_ids), chunked_engine.model.config.hidden_size)
     # float32 keeps about 7 significant digits, and a few dimensions of this model's residual stream reach
-    # thousands: there, "the last bits" are 1e-4 to 1e-3. So the bound is relative to the largest value.
+    # thousands: there, "the last bits" are 1e-3 to 1e-2 (chunks of 7 rows take matmul.py's transposed product,
+    # the whole prompt F.linear: two roundings, 3e-6 of the largest value seen). So the bound is relative to it.
     scale = whole.abs().max()
-    assert (chunked - whole).abs().max() <= 1e-6 * scale, f"{(chunked - whole).abs().max()} against {scale}"
+    assert (chunked - whole).abs().max() <= 1e-5 * scale, f"{(chunked - whole).abs().max()} against {scale}"
     normed = chunked_engine.model.model.norm  # what the output projection sees: values of about 1 to 50
     torch.testing.assert_close(normed(chunked), normed(whole), atol=1e-4, rtol=1e-5)
 

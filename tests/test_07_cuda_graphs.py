@@ -177,9 +177,11 @@ def test_the_static_path_gives_the_eager_paths_logits(engine, batch_size):
         assert torch.equal(static, eager)
     else:
         # Padding rows change the matrix products' row count, and on a CPU that can change how a row is summed
-        # (another kernel, other blocks): its last bits, amplified over 30 layers to about 1e-4 of logits of
-        # size 10 or so. Float32 rounding, not a wrong row: each row's own numbers are the same to 1e-5.
-        torch.testing.assert_close(static, eager, atol=1e-3, rtol=1e-5)
+        # (another kernel, other blocks; below 16 rows the transposed product of matmul.py, from 16 on F.linear):
+        # its last bits, amplified over 30 layers to a few 1e-3 of logits of size 10 or so (3.8e-3 seen between
+        # 9 rows and their bucket of 16). Float32 rounding, not a wrong row: both kernels are within 2e-6 of a
+        # float64 product.
+        torch.testing.assert_close(static, eager, atol=1e-2, rtol=1e-5)
 
 
 def test_padded_steps_leave_every_block_outside_the_batch_untouched(engine):
