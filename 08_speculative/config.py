@@ -50,7 +50,12 @@ class EngineConfig:
     speculative: str = field(default="ngram", metadata={
         "help": "who guesses the next tokens for the model to check in one pass: n-gram prompt lookup, a draft "
                 "model, or nobody", "choices": ["ngram", "draft", "off"]})
-    num_speculative_tokens: int = field(default=4, metadata={"help": "k: tokens guessed per sequence and step"})
+    num_speculative_tokens: int = field(default=4, metadata={
+        "help": "k: the most tokens guessed per sequence and step (the policy chooses 0 to k each step)"})
+    speculative_policy: str = field(default="cost", metadata={
+        "help": "how many guesses a sequence gets per step: those worth their rows, from the step's cost measured "
+                "at start-up and the sequence's acceptance rate (cost), or always k (always)",
+        "choices": ["cost", "always"]})
     draft_model: str = field(default="", metadata={
         "help": "with --speculative draft: a local Hugging Face folder with the model's tokenizer; none: the "
                 "model's own first --draft-layers layers (a layer-skip draft)"})

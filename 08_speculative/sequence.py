@@ -90,7 +90,7 @@ class Sequence:
     forks: list[Sequence] = field(default_factory=list)  # the other samples, started once this one is prefilled
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # echo: scored chunk by chunk, sent at the end
     # Speculative decoding: the room and the guesses of the step being run.
-    speculation: Speculation = field(default_factory=lambda: Speculation(0))  # its k, and whether guessing pays
+    speculation: Speculation = field(default_factory=lambda: Speculation(0))  # its k, its acceptance rate
     num_lookahead_slots: int = 0  # this step: room the scheduler reserved for guesses (the proposer may use fewer)
     draft_ids: list[int] = field(default_factory=list)  # this step's guesses, checked after the last token
     draft_probs: torch.Tensor | None = None  # [len(draft_ids), V]: what a sampling draft model drew them from

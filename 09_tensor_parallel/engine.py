@@ -12,7 +12,9 @@ A decoding sequence may also bring guesses of its next tokens (``proposer.py``):
 reserves room for them, the proposer fills it, the model runs the last token and the guesses in one
 pass, and verification (``speculative.py``) keeps the longest run the model agrees with, plus one token
 of its own: 1 to k + 1 tokens per sequence and step, exactly those it would have produced one by one.
-The rejected guesses' blocks go back to the pool.
+The rejected guesses' blocks go back to the pool. How many guesses each sequence gets, 0 to k, the
+policy (``policy.py``) decides each step, from what a step costs (measured at start-up) and how often the
+sequence's guesses have been kept.
 
 The model may be split across N processes (``--tensor-parallel-size``). This engine is rank 0: it
 starts the other ranks, and every rank starts up the same way (``worker.py``: the number of KV blocks is
@@ -41,7 +43,8 @@ from .detokenizer import IncrementalDetokenizer
 from .distributed import RanksOutOfStep, TPGroup, device_of, start_ranks
 from .kv_cache import KVCache
 from .model import LlamaForCausalLM, ModelConfig
-from .model_runner import StepInput, start_runner
+from .model_runner import StepInput, cost_rows, start_runner
+from .policy import SpeculationCost
 from .prefix_index import HashIndex, PrefixIndex
 from .proposer import DraftProposer, NgramProposer, layer_skip_draft, load_draft
 from .radix_tree import RadixTree
@@ -122,8 +125,6 @@ class Engine:
         self.kv_cache = self.runner.kv_cache
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size,
                                           make_index(config.prefix_cache, config.block_size))
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
-                                   self.eos_token_ids)
         self.proposer: NgramProposer | DraftProposer | None = None
         if config.speculative == "ngram":
             self.proposer = NgramProposer()
@@ -132,6 +133,8 @@ class Engine:
             self.draft_kv_cache = KVCache.allocate(draft_shape, num_blocks * draft_shape.bytes_per_block, self.device)
             self.proposer = DraftProposer(draft, self.draft_kv_cache, config.block_size, self.device,
                                           config.max_num_seqs, self.max_model_len, self.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
+                                   self.eos_token_ids, self.speculation_cost())
 
     @property
     def tp(self) -> TPGroup:
@@ -163,6 +166,18 @@ class Engine:
         if not 1 <= num_layers <= self.model.config.num_layers:
             raise ValueError(f"--draft-layers {num_layers}: the model has {self.model.config.num_layers} layers")
         return layer_skip_draft(self.model, num_layers)
+
+    def speculation_cost(self) -> SpeculationCost | None:
+        """What the speculation policy weighs guesses against: the runner's step costs, measured at start-up, and a
+        draft model's (each guess also takes a row of one of its steps). None without speculation, or with
+        ``--speculative-policy always``: every sequence then guesses its k."""
+        runner = self.runner
+        if self.proposer is None or runner.step_cost is None or runner.decode_cost is None:
+            return None
+        draft = None
+        if isinstance(self.proposer, DraftProposer):  # its steps run one row per sequence still guessing
+            draft = self.proposer.runner.measure_cost(cost_rows(self.config.max_num_seqs))
+        return SpeculationCost(runner.step_cost, runner.decode_cost, draft, runner.sequence_cost)
 
     @property
     def kv_capacity_tokens(self) -> int:

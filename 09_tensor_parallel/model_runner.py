@@ -32,7 +32,9 @@ step (``run_eager``): their shapes change every step.
 
 A decoding sequence may bring guesses (``draft_ids``), run right after its last token
 as a short chunk of 1 + k rows, and every one of those rows gets logits, for verification. A step with
-guesses has rows of several tokens, so it runs eagerly, not from the static buffers.
+guesses has rows of several tokens, so it runs eagerly, not from the static buffers. At start-up the
+runner times decode steps of a few batch sizes (``measure_cost``): what a step's rows cost is what the
+speculation policy (``policy.py``) weighs each guess against.
 
 With tensor parallelism every rank has a runner, and rank 0 sends each step to the others before
 running it itself (``worker.py``); every rank runs the same forward pass on its own slices of the model
@@ -59,9 +61,19 @@ from .config import EngineConfig
 from .distributed import RanksOutOfStep, TPGroup
 from .kv_cache import KVCache, budget_bytes
 from .model import LlamaForCausalLM
+from .policy import StepCost, measure_step_cost
 from .scheduler import Batch
 
 log = logging.getLogger("llm-course")
+
+# What a step costs, for the speculation policy: decode steps of r sequences of COST_CONTEXT tokens each, for r in
+# COST_ROWS (straight lines between them; on a CPU the cost grows linearly past 16 rows, and each point costs
+# start-up time: the five take about 2 s for SmolLM2-135M on 2 cores), each the best of COST_REPEATS runs.
+COST_ROWS = (1, 2, 4, 16, 64)
+COST_CONTEXT = 256
+COST_REPEATS = 2
+COST_GUESSING_SEQS = 8  # sequences in the step timed for what a sequence with guesses adds (measure_sequence_cost)
+COST_ROWS_EACH = 5  # ... each with up to 1 + 4 rows
 
 
 @dataclass
@@ -185,6 +197,9 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # bucket -> its captured decode step (CUDA only)
         self.capture_seconds: float | None = None  # how long capturing the graphs took; None: not captured
         self.graph_memory_bytes = 0  # what the captured graphs hold on the GPU
+        self.step_cost: StepCost | None = None  # a step with guesses, by rows (None: not measured, no cost policy)
+        self.decode_cost: StepCost | None = None  # a step without guesses, by rows (None: not measured)
+        self.sequence_cost = 0.0  # seconds a sequence with guesses adds beyond its rows (``measure_sequence_cost``)
         self.tp: TPGroup = model.tp
 
     def prepare(self, batch: Batch) -> StepInput:
@@ -296,6 +311,36 @@ class ModelRunner:
         return logits, prompt_logits
 
     @torch.inference_mode()
+    def measure_cost(self, rows: list[int], eager: bool = False) -> StepCost:
+        """The seconds of a decode step of r sequences, each with ``COST_CONTEXT`` tokens in the cache, for each r of
+        ``rows``: as ``execute`` runs it (from the static buffers, a replayed graph on CUDA), or ``eager``ly, as a
+        step with guesses runs. On a CPU a step with guesses costs more than this by a few ms per sequence that
+        guesses (its rows' attention is a call of its own): ``measure_sequence_cost`` times that."""
+        def run(num_seqs: int) -> None:
+            step = dummy_step(num_seqs, 1, self.cost_context, self.kv_cache.num_blocks, self.block_size)
+            if eager:
+                self.run_eager(step)
+            else:
+                self.execute(step)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+
+        return measure_step_cost(run, rows, COST_REPEATS)
+
+    @torch.inference_mode()
+    def measure_sequence_cost(self, num_seqs: int, k: int, step_cost: StepCost) -> float:
+        """What each sequence with k guesses adds to a step beyond the cost of its 1 + k rows (``step_cost``): a step of
+        ``num_seqs`` such sequences, timed (best of COST_REPEATS after an untimed run), less what its rows cost."""
+        step = dummy_step(num_seqs, 1 + k, self.cost_context, self.kv_cache.num_blocks, self.block_size)
+        seconds = measure_step_cost(lambda _: self.run_eager(step), [num_seqs], COST_REPEATS).seconds(num_seqs)
+        return max(0.0, seconds - step_cost.seconds(num_seqs * (1 + k))) / num_seqs
+
+    @property
+    def cost_context(self) -> int:
+        """The cached tokens of each sequence in the steps timed for the policy."""
+        return min(COST_CONTEXT, self.buffers.width * self.block_size - 1 - COST_ROWS_EACH)
+
+    @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket's decode step into a CUDA graph; keep the seconds it took and the bytes of
         GPU memory it took (the graphs' shared pool: the activations of the largest bucket, mostly).
@@ -356,7 +401,37 @@ def start_runner(config: EngineConfig, model: LlamaForCausalLM, device: torch.de
         runner.capture()
         log.info("captured the decode step for batch sizes %s in %.1f s (%.0f MiB)", runner.sizes,
                  runner.capture_seconds, runner.graph_memory_bytes / 2**20)
+    if config.speculative != "off" and config.num_speculative_tokens > 0 and config.speculative_policy == "cost":
+        # What the policy weighs guesses against: steps of up to every sequence with all its guesses.
+        most = min(config.max_num_seqs * (1 + config.num_speculative_tokens), max_num_batched_tokens)
+        if runner.graphs:  # a plain decode step replays a graph, a step with guesses runs eagerly: time both
+            runner.decode_cost = runner.measure_cost(cost_rows(config.max_num_seqs))
+            runner.step_cost = runner.measure_cost(cost_rows(most), eager=True)
+        else:  # both are the same eager pass
+            runner.decode_cost = runner.step_cost = runner.measure_cost(cost_rows(most))
+        runner.sequence_cost = runner.measure_sequence_cost(min(COST_GUESSING_SEQS, config.max_num_seqs),
+                                                            min(config.num_speculative_tokens, COST_ROWS_EACH - 1),
+                                                            runner.step_cost)
     return runner
+
+
+def cost_rows(most: int) -> list[int]:
+    """The batch sizes to time for steps of up to ``most`` rows: those of COST_ROWS below it, and ``most`` itself
+    unless it is past them (the cost goes on in a straight line there)."""
+    return sorted({rows for rows in COST_ROWS if rows < most} | {min(most, COST_ROWS[-1])})
+
+
+def dummy_step(num_seqs: int, rows_each: int, context: int, num_blocks: int, block_size: int) -> StepInput:
+    """A step of ``num_seqs`` sequences with ``context`` tokens each in the cache and ``rows_each`` new ones (1: a
+    decode; 1 + k: a verification, every row scored): it writes nothing (slot -1) and reads blocks 0, 1, 2... in turn
+    (their contents do not change the time)."""
+    width = (context + rows_each - 1) // block_size + 1
+    tables = [[(s * width + j) % num_blocks for j in range(width)] for s in range(num_seqs)]
+    rows = num_seqs * rows_each
+    return StepInput(input_ids=[0] * rows, positions=[context + i % rows_each for i in range(rows)],
+                     slot_mapping=[-1] * rows, query_start_loc=list(range(0, rows + 1, rows_each)),
+                     seq_lens=[context + rows_each] * num_seqs, block_tables=tables, logits_indices=list(range(rows)),
+                     prompt_logits_indices=[], num_prompt_logits=[0] * num_seqs)
 
 
 def run_dummy_step(model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device, num_tokens: int) -> None:

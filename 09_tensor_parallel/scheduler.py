@@ -24,9 +24,9 @@ When the pool runs dry, the most recently admitted sequence is **preempted**: it
 blocks and goes back to the front of the waiting queue, to be recomputed when blocks free up
 (finding what is left of its own blocks in the prefix cache). The oldest requests always go on.
 
-After the decodes, and before the prompt chunks, each decoding sequence gets room for its k guesses
-(``_reserve_lookahead``), as far as the budget and the free blocks go; the proposer's guesses arrive
-through ``set_guesses``.
+After the decodes, and before the prompt chunks, each decoding sequence gets room for its guesses
+(``_reserve_lookahead``): as many as the speculation policy (``policy.py``) finds worth their rows, from 0 to
+its k, as far as the budget and the free blocks go; the proposer's guesses arrive through ``set_guesses``.
 
 Admission first looks the sequence up in the prefix cache: the blocks of its longest cached prefix
 are shared, and its first chunk starts after them.
@@ -42,6 +42,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from .block_manager import BlockManager
+from .policy import SpeculationCost, plan_guesses
 from .sampler import TokenLogprobs
 from .sequence import RequestOutput, Sequence, SequenceStatus
 from .speculative import Proposal
@@ -75,7 +76,7 @@ class Scheduler:
     model's progress in its own cache, which the draft proposer counts)."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 eos_token_ids: set[int]) -> None:
+                 eos_token_ids: set[int], cost: SpeculationCost | None = None) -> None:
         assert max_num_seqs >= 1
         assert max_num_batched_tokens >= max_num_seqs, "every running sequence decodes in every step: the budget " \
             f"({max_num_batched_tokens} tokens) must cover max_num_seqs ({max_num_seqs})"
@@ -90,6 +91,7 @@ class Scheduler:
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache at admission
         self.prefix_cache_hits = 0  # of those, tokens found there (not computed again)
         self.speculation = SpeculationStats(0, 0, 0)  # every verification's guesses, proposed and kept
+        self.cost = cost  # what the speculation policy weighs guesses against; None: each sequence guesses its k
 
     def add(self, seq: Sequence, first: bool = False) -> None:
         """Queue ``seq`` at the end, or ``first`` in line (the samples of a request already running)."""
@@ -149,22 +151,26 @@ class Scheduler:
         ### END SOLUTION
 
     def _reserve_lookahead(self, decodes: list[Sequence], budget: int) -> int:
-        """Room for each decoding sequence's guesses, k more tokens in this step, oldest first, as far as the
-        budget and the free blocks go (a guess never preempts anyone). Returns the tokens reserved.
+        """Room for the decoding sequences' guesses, oldest first, as far as the budget and the free blocks go (a guess
+        never preempts anyone). Returns the tokens reserved.
 
-        k is the sequence's own (0 while its guesses are not paying), and never more than its answer has room
-        for: a step emits up to k + 1 tokens."""
+        A sequence's k is at most its own (``speculation.num_tokens``) and what its answer has room for (a step emits
+        up to k + 1 tokens); within that, the policy gives it the guesses that pay for their rows (``plan_guesses``,
+        from the step's cost and each sequence's acceptance rate), or every one without a cost to weigh."""
         reserved = 0
-        for seq in decodes:
-            ### BEGIN SOLUTION 8.4
-            k = min(seq.speculation.lookahead(), budget - reserved, seq.params.max_tokens - len(seq.output_ids) - 1)
+        ### BEGIN SOLUTION 8.4
+        caps = [min(seq.speculation.num_tokens, seq.params.max_tokens - len(seq.output_ids) - 1) for seq in decodes]
+        ks = caps if self.cost is None else plan_guesses([seq.speculation.acceptance for seq in decodes], caps,
+                                                         len(decodes), self.cost)
+        for seq, k in zip(decodes, ks, strict=True):
+            k = min(k, budget - reserved)
             if k <= 0 or not self.block_manager.can_grow(seq.block_table, seq.num_tokens + k):
                 continue
             self.block_manager.grow(seq.block_table, seq.num_tokens + k)  # positions L .. L + k - 1: the guesses
             seq.num_lookahead_slots = k
             seq.num_scheduled_tokens = 1 + k
             reserved += k
-            ### END SOLUTION
+        ### END SOLUTION
         return reserved
 
     # --- prompt chunks -------------------------------------------------------------------------
@@ -301,6 +307,8 @@ class Scheduler:
             # Neither cache may count a rejected token as computed; the next token's slot is kept.
             seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
             self.block_manager.shrink(seq.block_table, seq.num_computed_tokens + 1)
+        else:
+            seq.speculation.record(0, 0)  # a step without guesses: its acceptance rate drifts back to the prior
         filled = seq.num_computed_tokens // block_size > before // block_size
         if filled:  # a block is full (a chunk may fill several; a decode does once every block_size steps): index it
             # Only computed tokens are indexed, and those are the accepted ones: no block with a rejected guess.
@@ -309,7 +317,7 @@ class Scheduler:
             self._fork(seq)
 
     def _record_verification(self, seq: Sequence, accepted: int) -> None:
-        """Count a verification: the sequence's own acceptance (whether guessing pays for it), and the engine's."""
+        """Count a verification: the sequence's own acceptance (what its next guesses are worth), and the engine's."""
         proposed = len(seq.draft_ids)
         seq.speculation.record(proposed, accepted)
         stats = self.speculation

@@ -1,20 +1,25 @@
 """Stage 08: speculative decoding. A proposer guesses, one pass checks, verification keeps the model's output.
 
-The pieces alone (the n-gram matcher, both acceptance rules, the scheduler's room for guesses, the
-fallback), then the engine: greedy output equals Hugging Face's with every proposer, alone and in
-batches, when EOS, a stop string or max_tokens falls inside an accepted run; sampling keeps the model's
-distribution (a chi-square test at a fixed level, on fixed seeds, so that it cannot flake); a rejected
-run gives its blocks back and the prefix cache never holds a rejected token."""
+The pieces alone (the n-gram matcher, both acceptance rules, the scheduler's room for guesses, each sequence's
+acceptance rate and the policy that decides how many guesses pay), then the engine: greedy output equals Hugging
+Face's with every proposer, alone and in batches, when EOS, a stop string or max_tokens falls inside an accepted run;
+sampling keeps the model's distribution (a chi-square test at a fixed level, on fixed seeds, so that it cannot flake);
+a rejected run gives its blocks back and the prefix cache never holds a rejected token; the cost policy measures the
+step at start-up and guesses nothing where rows are dear."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from .conftest import make_engine, stage
+from .stages import stages_having
 
 FOLDER = "08_speculative"
 speculative = stage(FOLDER, "speculative")
+policy = stage(FOLDER, "policy")
 proposer = stage(FOLDER, "proposer")
 sampler = stage(FOLDER, "sampler")
 sequence = stage(FOLDER, "sequence")
@@ -120,21 +125,106 @@ def test_rejection_sampling_accepts_a_guess_the_model_agrees_with_and_never_one_
     assert speculative.accept_sampled([1, 2], certain, q, generator) == [1, 2, 0]  # p >= q at both: accepted
 
 
-def test_a_sequence_whose_guesses_keep_missing_pauses_longer_each_time_then_tries_again():
+def test_the_acceptance_rate_follows_verifications_and_drifts_back_to_the_prior_without_guesses():
     spec = speculative.Speculation(4)
-    assert spec.lookahead() == 4
-    for _ in range(10):
-        spec.record(proposed=4, accepted=0)
-        if spec.paused_steps:
-            break
-    assert spec.paused_steps == speculative.FALLBACK_STEPS
-    assert [spec.lookahead() for _ in range(speculative.FALLBACK_STEPS)] == [0] * speculative.FALLBACK_STEPS
-    assert spec.lookahead() == 4  # it tries again
-    spec.record(proposed=4, accepted=0)  # and misses again: a pause twice as long
-    assert spec.paused_steps == 2 * speculative.FALLBACK_STEPS
-    spec.paused_steps = 0
-    spec.record(proposed=4, accepted=4)
-    assert spec.acceptance > speculative.FALLBACK_BELOW and spec.pauses == 0 and spec.lookahead() == 4
+    assert spec.acceptance == speculative.PRIOR_ACCEPTANCE
+    for _ in range(20):
+        spec.record(proposed=4, accepted=0)  # the first guess missed: one guess tested, none kept
+    assert spec.acceptance < 0.01
+    spec.record(proposed=4, accepted=2)  # two kept, the third missed (the fourth was never tested): 2 of 3
+    assert spec.acceptance == pytest.approx(0.25 * 2 / 3, abs=0.01)
+    written_off = spec.acceptance
+    for _ in range(30):
+        spec.record(proposed=0, accepted=0)  # steps without guesses
+    assert written_off < spec.acceptance < speculative.PRIOR_ACCEPTANCE, "it drifts back, and is tried again"
+    for _ in range(50):
+        spec.record(proposed=4, accepted=4)
+    assert spec.acceptance > 0.99
+
+
+# --- the policy: how many guesses pay ---------------------------------------------------------------------------
+
+# Decode steps of SmolLM2-135M, float32, on the course's 2-core CPU (results/cpu/07_cuda_graphs_decode_steps.json,
+# the bucket sizes), and on an H100 replaying graphs (results/cuda/07_cuda_graphs_decode_steps.json, bfloat16).
+CPU = policy.StepCost(((1, 0.062), (2, 0.097), (4, 0.100), (8, 0.102), (16, 0.126), (32, 0.187), (64, 0.306)))
+GPU = policy.StepCost(((1, 0.0034), (8, 0.0038), (16, 0.0041), (32, 0.0048), (64, 0.0060)))
+CPU_COST = policy.SpeculationCost(CPU, CPU)
+GPU_COST = policy.SpeculationCost(GPU, GPU)
+
+
+def throughput(acceptance, ks, rows, cost) -> float:
+    """Expected tokens per second of a step whose sequences guess ``ks``."""
+    tokens = len(ks) + sum(a**j for a, k in zip(acceptance, ks, strict=True) for j in range(1, k + 1))
+    return tokens / (cost.verify.seconds(rows + sum(ks)) if any(ks) else cost.decode.seconds(rows))
+
+
+def test_step_cost_is_straight_lines_between_the_measured_points():
+    cost = policy.StepCost(((2, 0.1), (4, 0.2), (8, 0.2)))
+    assert [cost.seconds(r) for r in (2, 3, 4, 6, 8)] == pytest.approx([0.1, 0.15, 0.2, 0.2, 0.2])
+    assert cost.seconds(1) == 0.1, "below the first point: the first point's cost"
+    assert policy.StepCost(((1, 0.1), (3, 0.3))).seconds(5) == pytest.approx(0.5), "past the last: the last line"
+    assert policy.StepCost(((1, 0.3), (3, 0.2))).seconds(9) == 0.2, "never falling past the last point"
+    assert policy.StepCost(((4, 0.1),)).seconds(40) == 0.1
+    with pytest.raises(AssertionError):
+        policy.StepCost(((4, 0.1), (2, 0.2)))
+
+
+def test_measure_step_cost_times_each_row_count_after_an_untimed_run():
+    calls = []
+    cost = policy.measure_step_cost(calls.append, [4, 1, 4], repeats=3)
+    assert calls == [1, 4] * 4  # once untimed, then three rounds
+    assert [r for r, _ in cost.points] == [1, 4] and all(s >= 0 for _, s in cost.points)
+
+
+def test_no_guesses_when_rows_are_dear_and_guesses_are_seldom_kept():
+    assert policy.plan_guesses([0.2] * 64, [4] * 64, 64, CPU_COST) == [0] * 64
+    assert policy.plan_guesses([0.5] * 64, [4] * 64, 64, CPU_COST) == [0] * 64
+
+
+def test_every_guess_at_batch_1_when_guesses_are_mostly_kept():
+    assert policy.plan_guesses([0.9], [4], 1, CPU_COST) == [4]
+    assert policy.plan_guesses([0.9], [2], 1, CPU_COST) == [2], "never more than the cap"
+    assert policy.plan_guesses([0.0], [4], 1, CPU_COST) == [0], "guesses never kept are never worth a row"
+
+
+def test_a_flat_step_cost_pays_for_guesses_at_large_batches():
+    """On a GPU a row costs almost nothing: even at 64 sequences, guesses kept half the time pay; but not when a step
+    with guesses cannot replay a graph and costs 20 ms instead of 6 (as in this stage)."""
+    assert policy.plan_guesses([0.5] * 64, [4] * 64, 64, GPU_COST) == [1] * 64  # a**2 = 0.25 is not worth its row
+    assert policy.plan_guesses([0.8] * 64, [4] * 64, 64, GPU_COST) == [2] * 64
+    eager = policy.SpeculationCost(policy.StepCost(((1, 0.020), (64, 0.0215), (320, 0.025))), GPU)
+    assert policy.plan_guesses([0.8] * 64, [4] * 64, 64, eager) == [0] * 64
+
+
+def test_what_a_guessing_sequence_adds_beyond_its_rows_keeps_lone_guesses_out_of_large_batches():
+    """On a CPU each sequence with guesses adds its own attention call per layer (a few ms): one guess each for 64
+    sequences then costs far more than 64 rows, and only sequences whose guesses are nearly always kept pay."""
+    per_sequence = policy.SpeculationCost(CPU, CPU, per_sequence=0.006)
+    assert any(policy.plan_guesses([0.8] * 64, [4] * 64, 64, CPU_COST)), "rows alone: a guess of 0.8 pays at 64"
+    assert policy.plan_guesses([0.8] * 64, [4] * 64, 64, per_sequence) == [0] * 64
+    assert policy.plan_guesses([0.9], [4], 1, per_sequence) == [4], "one sequence alone: its guesses still pay"
+
+
+def test_a_dear_draft_model_pays_for_fewer_guesses():
+    draft = policy.StepCost(((1, 0.030), (64, 0.100)))  # a third of the model's steps
+    free = policy.plan_guesses([0.7], [4], 1, CPU_COST)
+    drafted = policy.plan_guesses([0.7], [4], 1, policy.SpeculationCost(CPU, CPU, draft))
+    assert free == [4] and drafted[0] < 4
+    assert policy.plan_guesses([0.95], [4], 1, policy.SpeculationCost(CPU, CPU, CPU)) == [0], \
+        "a draft as dear as the model: each guess costs a whole step"
+
+
+@settings(max_examples=200, deadline=None)
+@given(plan=st.lists(st.tuples(st.floats(0.0, 1.0), st.integers(0, 8)), min_size=1, max_size=48),
+       prompt_rows=st.integers(0, 64), gpu=st.booleans())
+def test_a_plan_never_passes_its_caps_never_favours_a_lower_rate_and_never_loses_throughput(plan, prompt_rows, gpu):
+    acceptance, caps = [a for a, _ in plan], [cap for _, cap in plan]
+    cost, rows = GPU_COST if gpu else CPU_COST, len(plan) + prompt_rows
+    ks = policy.plan_guesses(acceptance, caps, rows, cost)
+    assert all(0 <= k <= cap for k, cap in zip(ks, caps, strict=True))
+    for i, j in [(i, j) for i in range(len(plan)) for j in range(len(plan)) if acceptance[i] > acceptance[j]]:
+        assert ks[i] >= min(ks[j], caps[i]), "a higher acceptance rate got fewer guesses"
+    assert throughput(acceptance, ks, rows, cost) >= throughput(acceptance, [0] * len(ks), rows, cost) * (1 - 1e-9)
 
 
 # --- the scheduler's room for guesses ---------------------------------------------------------------------------
@@ -172,16 +262,17 @@ def test_each_decode_gets_room_for_its_guesses_within_the_budget_and_its_max_tok
 
 
 @pytest.mark.exercise("8.4")
-def test_guesses_never_preempt_anyone_and_a_paused_sequence_gets_no_room():
+def test_guesses_never_preempt_anyone_and_the_policy_decides_who_guesses():
     blocks = block_manager_module.BlockManager(7, block_size=16)
-    scheduler = scheduler_module.Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=64, eos_token_ids=set())
+    scheduler = scheduler_module.Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=64, eos_token_ids=set(),
+                                           cost=CPU_COST)
     # Each one's last token ends a block (a: 1 block, b: 2, c: 3): guesses need a new block, and one is free.
     a, b, c = decoding("a", 16, 0, k=4), decoding("b", 32, 0, k=4), decoding("c", 48, 0, k=4)
     admitted(scheduler, a, b, c)
-    b.speculation.paused_steps = 1
+    a.speculation.acceptance, b.speculation.acceptance, c.speculation.acceptance = 0.9, 0.0, 0.9
     batch = scheduler.schedule()
-    # a's guesses take the free block; b is paused; c's guesses find no block: c decodes one token, nobody is
-    # preempted for a guess.
+    # a's guesses take the free block; b's are never kept, so the policy gives it none; c's guesses find no block:
+    # c decodes one token, nobody is preempted for a guess.
     assert [s.num_scheduled_tokens for s in batch.seqs] == [5, 1, 1]
     assert [len(s.block_table) for s in batch.seqs] == [2, 2, 3]
     assert blocks.num_free == 0 and scheduler.num_preemptions == 0
@@ -224,7 +315,7 @@ def test_eos_and_max_tokens_inside_an_accepted_run_cut_exactly_there(model_dir, 
     first token comes from the prefill, then runs of 5. An answer of 8 tokens ends (EOS) inside its second
     run. max_tokens is never overrun: with 2 tokens to go, a step guesses 1."""
     engine = make_engine(FOLDER, model_dir, kv_cache_mb=16, speculative="draft", draft_model=str(model_dir),
-                         num_speculative_tokens=4)
+                         num_speculative_tokens=4, speculative_policy="always")
     prompt = chat(engine, "What is the capital of France?")
     expected = hf_greedy(prompt, 32)
     assert expected[-1] in engine.eos_token_ids and len(expected) % 5 != 1, "the answer no longer ends mid-run"
@@ -242,7 +333,8 @@ def test_eos_and_max_tokens_inside_an_accepted_run_cut_exactly_there(model_dir, 
 
 @pytest.fixture(scope="module")
 def ngram(model_dir):
-    return make_engine(FOLDER, model_dir, kv_cache_mb=64, speculative="ngram", num_speculative_tokens=4)
+    return make_engine(FOLDER, model_dir, kv_cache_mb=64, speculative="ngram", num_speculative_tokens=4,
+                       speculative_policy="always")  # the tests below need guesses at every step, whatever they cost
 
 
 def test_ngram_guesses_give_hugging_faces_tokens_and_rejected_guesses_give_their_blocks_back(ngram, hf_greedy):
@@ -304,10 +396,17 @@ def test_the_server_streams_runs_and_reports_its_guesses(server08, hf_greedy):
 
     client = server08.client()
     accepted = server08.metric("llm_spec_accepted_tokens_total")
-    stream = client.chat.completions.create(model="smollm2-135m-instruct", max_tokens=40, temperature=0, stream=True,
-                                            messages=[{"role": "user", "content": EXTRACTIVE}])
-    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     engine = server08.engine._engine
+    # The cost policy, with a CPU's costs rather than those measured at start-up (a busy machine can make guesses
+    # look dear): at batch 1 a sequence with the prior acceptance rate guesses.
+    measured, engine.scheduler.cost = engine.scheduler.cost, CPU_COST
+    assert measured is not None, "the engine measures its steps at start-up"
+    try:
+        stream = client.chat.completions.create(model="smollm2-135m-instruct", max_tokens=40, temperature=0,
+                                                stream=True, messages=[{"role": "user", "content": EXTRACTIVE}])
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    finally:
+        engine.scheduler.cost = measured
     assert text == engine.tokenizer.decode(hf_greedy(chat(engine, EXTRACTIVE), 40), skip_special_tokens=True)
     assert server08.metric("llm_spec_accepted_tokens_total") > accepted
     assert server08.metric("llm_spec_proposed_tokens_total") >= server08.metric("llm_spec_accepted_tokens_total")
@@ -338,7 +437,7 @@ def test_speculative_sampling_has_the_models_distribution(tiny):
     p(t1) p(t2 | t1) over the 9 pairs, chi-square at level ALPHA."""
     folder, hf_model = tiny
     engine = make_engine(FOLDER, folder, kv_cache_mb=16, speculative="draft", draft_layers=1,
-                         num_speculative_tokens=1, max_num_seqs=128)
+                         num_speculative_tokens=1, max_num_seqs=128, speculative_policy="always")
     prompt = list(range(40, 52))
     top_k, samples = 3, 1600
     params = [sampler.SamplingParams(max_tokens=3, temperature=1.0, top_k=top_k, ignore_eos=True, seed=i)
@@ -368,3 +467,29 @@ def test_a_draft_model_that_does_not_fit_is_refused_at_start_up(model_dir, tiny)
         make_engine(FOLDER, model_dir, kv_cache_mb=16, speculative="draft", draft_model=str(folder))
     with pytest.raises(ValueError, match="draft-layers 31"):
         make_engine(FOLDER, model_dir, kv_cache_mb=16, speculative="draft", draft_layers=31)
+
+
+# --- the cost policy in the engine ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("folder", stages_having("speculation"))
+def test_the_engine_measures_its_steps_and_guesses_nothing_where_rows_are_dear(folder, tiny):
+    """At start-up the engine times decode steps of a few batch sizes; the policy weighs guesses against that cost.
+    64 sequences whose prompts repeat themselves (n-gram lookup guesses from the first step) under a CPU's cost, where
+    a row is dear at that batch: no guess. The same requests with every guess made (policy "always") do guess."""
+    tiny_folder, _ = tiny
+    engine = make_engine(folder, tiny_folder, kv_cache_mb=16, max_num_seqs=64, max_num_batched_tokens=1024)
+    measured = engine.scheduler.cost
+    rows = stage(folder, "model_runner").cost_rows(64)
+    assert [r for r, _ in measured.decode.points] == rows and all(s > 0 for _, s in measured.decode.points)
+    assert measured.verify is measured.decode and measured.draft is None, "on a CPU a step with guesses is one pass"
+    prompts = [[40 + i % 50, 101, 102, 103] * 3 for i in range(64)]
+    params = sampler.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    engine.scheduler.cost = stage(folder, "policy").SpeculationCost(CPU, CPU)
+    engine.generate_offline(prompts, params)
+    assert engine.stats().speculation.proposed == 0
+    engine.scheduler.cost = None
+    engine.generate_offline(prompts, params)
+    assert engine.stats().speculation.proposed > 0
+    always = make_engine(folder, tiny_folder, kv_cache_mb=16, speculative_policy="always")
+    assert always.scheduler.cost is None and always.runner.step_cost is None, "nothing to measure"
