@@ -215,30 +215,46 @@ def tail(log: Path, lines: int = 20) -> str:
     return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
 
-def stop_server(server: subprocess.Popen[bytes], timeout_s: float = 15) -> None:
-    """Ask politely (SIGTERM), then insist (SIGKILL)."""
-    if server.poll() is not None:
-        return
-    server.terminate()
-    try:
-        server.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        server.kill()
-        server.wait()
+def stop_server(server: subprocess.Popen[bytes], timeout_s: float = 15, group: bool = False) -> None:
+    """Ask politely (SIGTERM), then insist (SIGKILL). ``group``: the server leads a process group of its
+    own (``stage_server(process_group=True)``), and every process in it gets the signals, so that no
+    child it started outlives it."""
+    def send(sig: int) -> None:
+        if not group:
+            server.send_signal(sig)
+            return
+        try:
+            os.killpg(server.pid, sig)
+        except ProcessLookupError:  # the whole group is gone already
+            pass
+
+    if server.poll() is None:
+        send(signal.SIGTERM)
+        try:
+            server.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            send(signal.SIGKILL)
+            server.wait()
+    if group:
+        send(signal.SIGKILL)  # whatever the leader left behind in its group
 
 
 @contextmanager
-def stage_server(command: list[str], url: str) -> Iterator[subprocess.Popen[bytes]]:
-    """Run ``command`` until the block ends, whatever way it ends (an error, Ctrl-C, SIGTERM)."""
+def stage_server(command: list[str], url: str, env: dict[str, str] | None = None,
+                 process_group: bool = False) -> Iterator[subprocess.Popen[bytes]]:
+    """Run ``command`` until the block ends, whatever way it ends (an error, Ctrl-C, SIGTERM). ``env``: the
+    server's whole environment (default: ours). ``process_group``: start it in a session of its own and stop
+    the whole group (Ctrl-C at the terminal then reaches only us, and we stop it)."""
     with tempfile.NamedTemporaryFile(prefix="bench-server-", suffix=".log", delete=False) as log_file:
         log = Path(log_file.name)
-        server = subprocess.Popen(command, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT)
+        server = subprocess.Popen(command, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                  start_new_session=process_group)
     print(f"Started {shlex.join(command)} (pid {server.pid}, log {log})", flush=True)
     try:
         wait_healthy(url, server, log)
         yield server
     finally:
-        stop_server(server)
+        stop_server(server, group=process_group)
     log.unlink()  # kept only when something went wrong, for the error message's reader
 
 
@@ -334,14 +350,19 @@ def previous_stage_result(out_dir: Path, stage: str | None, shared_prefix_tokens
     return [path for path in candidates if shared_prefix_tokens_of(path) == shared_prefix_tokens][:1]
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    exit_on_sigterm()
+def out_dir_of(args: argparse.Namespace, device: str) -> Path:
+    """Where the result goes: --out, else results/<device>/ (results/quick/<device>/ for --quick)."""
+    return args.out or (RESULTS / "quick" / device if args.quick else RESULTS / device)
+
+
+def run(args: argparse.Namespace, process_group: bool = False) -> dict[str, Any]:
+    """Measure what ``args`` (from ``parse_args``) name: start the stage's server (in a process group of its
+    own with ``process_group``, see ``stage_server``), or measure the running server at --url. Returns the
+    result as ``main`` writes it, without writing anything."""
     sweep = sweep_of(args)
     device, stage_dtype = device_and_dtype(args.device, args.dtype)
     # With --url we cannot see the server's dtype: record it only if the user told us.
     dtype = stage_dtype if args.stage else (None if args.dtype == "auto" else args.dtype)
-    out_dir = args.out or (RESULTS / "quick" / device if args.quick else RESULTS / device)
     machine = machine_info(device)
     if (machine["load_average_1m"] or 0) > 1:
         print(f"warning: the load average is {machine['load_average_1m']:.1f} before we start: something else "
@@ -355,14 +376,14 @@ def main(argv: list[str] | None = None) -> None:
         url = f"http://127.0.0.1:{port}"
         server_command = stage_command(args.stage, port, args.model, device, dtype) + args.server_args
         model = served_name(args.model)
-        with stage_server(server_command, url):
+        with stage_server(server_command, url, process_group=process_group):
             stream, levels = asyncio.run(measure(url, model, not args.no_stream, sweep, name, args.extra_body,
                                                  prefix))
     else:
         name, url, model = result_name(args.name, args.shared_prefix_tokens), args.url.rstrip("/"), args.model
         stream, levels = asyncio.run(measure(url, model, not args.no_stream, sweep, name, args.extra_body, prefix))
 
-    result = {
+    return {
         "name": name,
         "stage": f"{int(args.stage):02d}" if args.stage else None,
         "model": model,
@@ -379,6 +400,13 @@ def main(argv: list[str] | None = None) -> None:
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "levels": [level_json(level) for level in levels],
     }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    exit_on_sigterm()
+    result = run(args)
+    name, out_dir = result["name"], out_dir_of(args, result["device"])
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / f"{name}.json"
     json_path.write_text(dumps(result) + "\n")

@@ -326,3 +326,74 @@ def test_a_later_stages_copy_of_a_benchmark_measures_that_stage():
     assert configs == [("07", "07", []),
                        ("09 ngram k=4", "09", ["--speculative", "ngram", "--num-speculative-tokens", "4"])]
     assert stage("09_tensor_parallel", "tp_bench").STAGE == "09_tensor_parallel"
+
+
+# --- make peer: the latest stage against transformers serve (common/peer.py) ----------------------------------
+
+
+def test_peer_ratio_table_json_and_figure_from_two_results(tmp_path):
+    """The comparison's pure part, from two hand-made results: no server starts (transformers serve is too slow
+    to start for the suite)."""
+    from common import peer
+
+    theirs, ours = fake_result(peer.PEER_NAME, True), fake_result("09_tensor_parallel", True)
+    for result, tps in ((theirs, [10.0, 30.0, 0.0]), (ours, [12.0, 45.0, 50.0])):
+        result.update(streaming=True, quick=True, git_commit="abc", git_dirty=False)
+        result["workload"]["max_tokens"] = 16
+        for level, value in zip(result["levels"], tps, strict=True):
+            level.update(output_tokens_per_s=value, requests=8, errors=0, output_tokens=8 * 16)
+    ours["levels"].append({**ours["levels"][-1], "concurrency": 16})  # a level the peer lacks: left out
+    theirs["levels"][0]["output_tokens"] = 100  # stopped early at concurrency 1: unequal work, said so
+
+    rows = peer.ratio_rows(theirs, ours)
+    assert [row["concurrency"] for row in rows] == [1, 4, 8]
+    assert [row["ratio"] for row in rows] == [pytest.approx(1.2), pytest.approx(1.5), None]  # None: peer made 0
+    table = peer.format_table(rows, "09_tensor_parallel").splitlines()
+    assert table[0] == "| Concurrency | transformers tokens/s | 09_tensor_parallel tokens/s | 09 / transformers |"
+    assert table[2:] == ["| 1 | 10.0 | 12.0 | 1.20x |", "| 4 | 30.0 | 45.0 | 1.50x |", "| 8 | 0.0 | 50.0 | n/a |"]
+
+    commands = {"transformers_server": "transformers serve m --continuous-batching", "stage_bench": "python -m x"}
+    result = peer.peer_result(theirs, ours, commands, machine={"cpu": "test"}, git={"git_commit": "def"})
+    json_path, png_path = peer.write_peer(result, tmp_path / "cpu")
+    assert (json_path.name, png_path.name) == ("peer.json", "peer.png")
+    assert png_path.read_bytes()[:8] == PNG_MAGIC
+    written = json.loads(json_path.read_text())
+    assert written["results"] == {"transformers": theirs, "stage": ours}  # both whole, as bench writes them
+    assert written["ratio"][:2] == [{"concurrency": 1, "transformers_tokens_per_s": 10.0, "stage_tokens_per_s": 12.0,
+                                     "ratio": pytest.approx(1.2)},
+                                    {"concurrency": 4, "transformers_tokens_per_s": 30.0, "stage_tokens_per_s": 45.0,
+                                     "ratio": pytest.approx(1.5)}]
+    assert (written["stage"], written["peer"], written["device"]) == ("09_tensor_parallel", peer.PEER_NAME, "cpu")
+    assert written["machine"] == {"cpu": "test"} and written["git_commit"] == "def" and written["commands"] == commands
+    assert written["date"] and written["warnings"] == [
+        f"{peer.PEER_NAME} at concurrency 1: 100 output tokens, not 8 x 16"]
+
+
+def test_peer_sends_the_same_greedy_exact_length_work_to_both_servers():
+    from common import peer
+
+    args = peer.parse_args(["--stage", "4", "--quick", "--levels", "1", "2", "--max-tokens", "8"])
+    assert args.stage == "04" and args.quick
+    assert peer.sweep_flags(args) == ["--quick", "--levels", "1", "2", "--max-tokens", "8"]
+    assert peer.parse_args([]).stage == max(p.parent.name for p in REPO.glob("[0-9][0-9]_*/__main__.py"))[:2]
+    # The peer refuses ignore_eos: it gets a generation config without an EOS id instead, greedy and streamed too.
+    body = loadgen.Workload("http://x", "m", max_tokens=8, extra_body=peer.PEER_EXTRA_BODY).body(0)
+    assert "ignore_eos" not in body and json.loads(body["generation_config"]) == {"eos_token_id": -1}
+    assert body["temperature"] == 0 and body["stream"] and body["max_tokens"] == 8
+    command = peer.serve_command(["transformers"], Path("/m"), "cpu", "float32", 8090, peer.CB_OPTIONS)
+    assert command[:3] == ["transformers", "serve", "/m"] and "--continuous-batching" in command
+    assert peer.module_missing_from_log("ModuleNotFoundError: No module named 'fastapi.responses'") == "fastapi"
+    assert peer.module_missing_from_log("ImportError: Missing dependencies for serving. Install with "
+                                        "`pip install transformers[serving]`") == "transformers[serving]"
+    assert peer.module_missing_from_log("all fine") is None
+
+
+def test_peer_says_in_one_line_what_transformers_serve_lacks(capsys):
+    from common import peer
+
+    with pytest.raises(SystemExit) as exit_info:
+        peer.exit_needing(["fastapi", "uvicorn"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: transformers serve needs fastapi, uvicorn, not installed here: pip install fastapi uvicorn"]
+    assert peer.missing_serve_modules() == []  # requirements.txt installs all it needs
