@@ -78,8 +78,8 @@ class SpeculationCost:
     verify: StepCost  # a step whose decodes bring guesses, by its rows (the decodes and all the guesses)
     decode: StepCost  # a step without guesses, by its rows (one per decoding sequence)
     draft: StepCost | None = None  # one step of a draft model, by its rows (one per sequence still guessing)
-    # Seconds each sequence that guesses adds beyond its rows: on a CPU the attention of its 1 + k rows is a call of
-    # its own, layer by layer (a decode row's is shared with every other decode row's).
+    # Seconds each sequence that guesses adds beyond its rows, after the first (``verify``'s steps hold one): on a CPU
+    # the attention of its 1 + k rows is a call of its own, layer by layer (a decode row's is shared with the others').
     per_sequence: float = 0.0
 
 
@@ -89,11 +89,11 @@ def plan_guesses(acceptance: list[float], caps: list[int], rows: int, cost: Spec
 
     Without guesses the step emits T = len(acceptance) tokens, one per sequence, in decode(rows) seconds. The j-th
     guess of a sequence with acceptance rate a adds a**j tokens and one row (with a draft model, also a row of the
-    draft's j-th step); its first guess also adds ``cost.per_sequence``. Taking the guesses in decreasing a**j,
-    keep the first n that make (T + their a**j) / seconds the largest, n = 0 included. With a cost linear in rows
-    that is adding guesses while a**j / (seconds a row) beats T / seconds; trying every n also handles a cost that
-    is not linear (the draft's first row at a depth pays for its whole step; on a CPU two rows may cost far more
-    than one, and five little more than two)."""
+    draft's j-th step); the first guess of every guessing sequence but one also adds ``cost.per_sequence``. Taking
+    the guesses in decreasing a**j, keep the first n that make (T + their a**j) / seconds the largest, n = 0
+    included. With a cost linear in rows that is adding guesses while a**j / (seconds a row) beats T / seconds;
+    trying every n also handles a cost that is not linear (the draft's first row at a depth pays for its whole step;
+    on a CPU two rows may cost far more than one, and five little more than two)."""
     guesses = sorted(((a**j, j, a, i) for i, (a, cap) in enumerate(zip(acceptance, caps, strict=True))
                       for j in range(1, cap + 1)), key=lambda g: (-g[0], g[1], -g[2]))
     tokens = float(len(acceptance))
@@ -101,7 +101,7 @@ def plan_guesses(acceptance: list[float], caps: list[int], rows: int, cost: Spec
     draft_seconds, depth = 0.0, [0] * (max(caps, default=0) + 1)  # depth[j]: sequences in the draft's j-th step
     for n, (value, j, _, _) in enumerate(guesses, 1):
         tokens += value
-        if j == 1:  # a sequence's first guess (it comes before its second: a > a**2) makes it a guessing sequence
+        if j == 1 and n > 1:  # another sequence's first guess (a sequence's comes before its second: a > a**2)
             draft_seconds += cost.per_sequence
         if cost.draft is not None:
             draft_seconds += cost.draft.seconds(depth[j] + 1) - (cost.draft.seconds(depth[j]) if depth[j] else 0.0)

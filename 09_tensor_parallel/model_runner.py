@@ -46,10 +46,11 @@ builds its own tensors from them.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from bisect import bisect_left
 from dataclasses import dataclass
-from itertools import pairwise
+from itertools import accumulate, pairwise
 
 import torch
 
@@ -311,17 +312,17 @@ class ModelRunner:
         return logits, prompt_logits
 
     @torch.inference_mode()
-    def measure_cost(self, rows: list[int], eager: bool = False) -> StepCost:
-        """The seconds of a decode step of r sequences, each with ``COST_CONTEXT`` tokens in the cache, for each r of
-        ``rows``: as ``execute`` runs it (from the static buffers, a replayed graph on CUDA), or ``eager``ly, as a
-        step with guesses runs. On a CPU a step with guesses costs more than this by a few ms per sequence that
-        guesses (its rows' attention is a call of its own): ``measure_sequence_cost`` times that."""
-        def run(num_seqs: int) -> None:
-            step = dummy_step(num_seqs, 1, self.cost_context, self.kv_cache.num_blocks, self.block_size)
-            if eager:
-                self.run_eager(step)
-            else:
-                self.execute(step)
+    def measure_cost(self, rows: list[int], guesses: int = 0) -> StepCost:
+        """The seconds of a step of r rows for each r of ``rows``, as ``execute`` runs it: decoding sequences with
+        ``COST_CONTEXT`` tokens in the cache, one row each, except that with ``guesses`` the first brings that many
+        guesses. One sequence with guesses changes the whole step's path: it runs eagerly (no replayed graph on
+        CUDA), and on a CPU its attention takes the extend path. Each further sequence with guesses adds what
+        ``measure_sequence_cost`` times."""
+        def run(num_rows: int) -> None:
+            first = min(num_rows, 1 + guesses)
+            step = dummy_step([first] + [1] * (num_rows - first), self.cost_context, self.kv_cache.num_blocks,
+                              self.block_size)
+            self.execute(step)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
 
@@ -329,11 +330,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def measure_sequence_cost(self, num_seqs: int, k: int, step_cost: StepCost) -> float:
-        """What each sequence with k guesses adds to a step beyond the cost of its 1 + k rows (``step_cost``): a step of
-        ``num_seqs`` such sequences, timed (best of COST_REPEATS after an untimed run), less what its rows cost."""
-        step = dummy_step(num_seqs, 1 + k, self.cost_context, self.kv_cache.num_blocks, self.block_size)
+        """What each sequence with k guesses after the first adds to a step beyond the cost of its 1 + k rows
+        (``step_cost``, whose steps have one such sequence): a step of ``num_seqs`` of them, timed (best of
+        COST_REPEATS after an untimed run), less what ``step_cost`` gives for as many rows."""
+        step = dummy_step([1 + k] * num_seqs, self.cost_context, self.kv_cache.num_blocks, self.block_size)
         seconds = measure_step_cost(lambda _: self.run_eager(step), [num_seqs], COST_REPEATS).seconds(num_seqs)
-        return max(0.0, seconds - step_cost.seconds(num_seqs * (1 + k))) / num_seqs
+        return max(0.0, seconds - step_cost.seconds(num_seqs * (1 + k))) / max(1, num_seqs - 1)
 
     @property
     def cost_context(self) -> int:
@@ -404,11 +406,13 @@ def start_runner(config: EngineConfig, model: LlamaForCausalLM, device: torch.de
     if config.speculative != "off" and config.num_speculative_tokens > 0 and config.speculative_policy == "cost":
         # What the policy weighs guesses against: steps of up to every sequence with all its guesses.
         most = min(config.max_num_seqs * (1 + config.num_speculative_tokens), max_num_batched_tokens)
-        if runner.graphs:  # a plain decode step replays a graph, a step with guesses runs eagerly: time both
-            runner.decode_cost = runner.measure_cost(cost_rows(config.max_num_seqs))
-            runner.step_cost = runner.measure_cost(cost_rows(most), eager=True)
-        else:  # both are the same eager pass
-            runner.decode_cost = runner.step_cost = runner.measure_cost(cost_rows(most))
+        k = config.num_speculative_tokens
+        runner.decode_cost = decode = runner.measure_cost(cost_rows(most))
+        # A step with guesses costs a plain step of as many rows plus the price of leaving the fast path, the same at
+        # every size (measured at two, so that noise in one point cannot bend the line the policy extends).
+        shifted = runner.measure_cost([1 + k, max(1 + k, min(most, COST_ROWS[-2]))], guesses=k)
+        switch = max(0.0, statistics.median(seconds - decode.seconds(rows) for rows, seconds in shifted.points))
+        runner.step_cost = StepCost(tuple((rows, seconds + switch) for rows, seconds in decode.points))
         runner.sequence_cost = runner.measure_sequence_cost(min(COST_GUESSING_SEQS, config.max_num_seqs),
                                                             min(config.num_speculative_tokens, COST_ROWS_EACH - 1),
                                                             runner.step_cost)
@@ -421,17 +425,17 @@ def cost_rows(most: int) -> list[int]:
     return sorted({rows for rows in COST_ROWS if rows < most} | {min(most, COST_ROWS[-1])})
 
 
-def dummy_step(num_seqs: int, rows_each: int, context: int, num_blocks: int, block_size: int) -> StepInput:
-    """A step of ``num_seqs`` sequences with ``context`` tokens each in the cache and ``rows_each`` new ones (1: a
-    decode; 1 + k: a verification, every row scored): it writes nothing (slot -1) and reads blocks 0, 1, 2... in turn
-    (their contents do not change the time)."""
-    width = (context + rows_each - 1) // block_size + 1
-    tables = [[(s * width + j) % num_blocks for j in range(width)] for s in range(num_seqs)]
-    rows = num_seqs * rows_each
-    return StepInput(input_ids=[0] * rows, positions=[context + i % rows_each for i in range(rows)],
-                     slot_mapping=[-1] * rows, query_start_loc=list(range(0, rows + 1, rows_each)),
-                     seq_lens=[context + rows_each] * num_seqs, block_tables=tables, logits_indices=list(range(rows)),
-                     prompt_logits_indices=[], num_prompt_logits=[0] * num_seqs)
+def dummy_step(rows: list[int], context: int, num_blocks: int, block_size: int) -> StepInput:
+    """A step of sequences with ``context`` tokens each in the cache and ``rows[i]`` new ones (1: a decode; 1 + k: a
+    verification, every row scored): it writes nothing (slot -1) and reads blocks 0, 1, 2... in turn (their contents
+    do not change the time)."""
+    width = (context + max(rows) - 1) // block_size + 1
+    tables = [[(s * width + j) % num_blocks for j in range(width)] for s in range(len(rows))]
+    starts = [0, *accumulate(rows)]
+    return StepInput(input_ids=[0] * starts[-1], positions=[context + i for n in rows for i in range(n)],
+                     slot_mapping=[-1] * starts[-1], query_start_loc=starts, seq_lens=[context + n for n in rows],
+                     block_tables=tables, logits_indices=list(range(starts[-1])), prompt_logits_indices=[],
+                     num_prompt_logits=[0] * len(rows))
 
 
 def run_dummy_step(model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device, num_tokens: int) -> None:
