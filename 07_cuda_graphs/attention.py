@@ -139,17 +139,16 @@ class DecodeGroup:
 
 def decode_groups(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> list[DecodeGroup]:
     """``length_groups``, each with what attention reads: its block ids and the mask of its padding."""
-    groups = length_groups(seq_lens)
+    groups: list[torch.Tensor | None] = list(length_groups(seq_lens))
+    if len(groups) == 1 and len(groups[0]) == len(seq_lens):  # one group of every row: keep the batch's order
+        groups = [None]
     result = []
     for rows in groups:
-        lens = seq_lens[rows]  # [G]
-        tables = block_tables[rows, : -(-int(lens.max()) // block_size)]  # [G, blocks of the group's longest]
+        lens = seq_lens if rows is None else seq_lens[rows]  # [G]
+        tables = (block_tables if rows is None else block_tables[rows])[:, : -(-int(lens.max()) // block_size)]
         positions = torch.arange(tables.shape[1] * block_size, device=seq_lens.device)  # [L]
-        visible = positions[None, :] < lens[:, None]  # [G, L]
-        if len(groups) == 1 and len(rows) == len(seq_lens):  # one group of every row: keep the batch's order
-            rows, visible = None, positions[None, :] < seq_lens[:, None]
-            tables = block_tables[:, : tables.shape[1]]
-        result.append(DecodeGroup(rows, tables.contiguous(), visible[:, None, None, :]))
+        visible = positions[None, :] < lens[:, None]  # [G, L]: False on padding
+        result.append(DecodeGroup(rows, tables.contiguous(), visible[:, None, None, :]))  # tables: [G, blocks]
     return result
 
 

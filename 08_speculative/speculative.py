@@ -33,8 +33,8 @@ from .sampler import SamplingParams, apply_penalties, logits_to_probs
 
 # Each sequence's acceptance rate, the chance that one of its guesses is kept: what the policy (policy.py) expects its
 # next guesses to be worth. Before its first verification a sequence gets the benefit of the doubt: on this course's
-# CPU, enough for guesses to pay at batch 1 but not past some 25 sequences (n-gram guesses on text that copies its
-# prompt are kept at about 0.75 each).
+# CPU, enough for guesses to pay at small batches, not at large ones (n-gram guesses on text that copies its prompt
+# are kept at about 0.75 each).
 PRIOR_ACCEPTANCE = 0.6
 ACCEPTANCE_WEIGHT = 0.25  # the weight of the newest verification in the running rate
 DRIFT = 0.03  # a step without guesses moves the rate this share of the way back to the prior: a sequence written off

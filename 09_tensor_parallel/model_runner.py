@@ -33,8 +33,8 @@ step (``run_eager``): their shapes change every step.
 A decoding sequence may bring guesses (``draft_ids``), run right after its last token
 as a short chunk of 1 + k rows, and every one of those rows gets logits, for verification. A step with
 guesses has rows of several tokens, so it runs eagerly, not from the static buffers. At start-up the
-runner times decode steps of a few batch sizes (``measure_cost``): what a step's rows cost is what the
-speculation policy (``policy.py``) weighs each guess against.
+runner times steps of a few sizes, with and without guesses (``measure_cost``, ``measure_sequence_cost``):
+what a step's rows cost is what the speculation policy (``policy.py``) weighs each guess against.
 
 With tensor parallelism every rank has a runner, and rank 0 sends each step to the others before
 running it itself (``worker.py``); every rank runs the same forward pass on its own slices of the model
@@ -74,7 +74,7 @@ COST_ROWS = (1, 2, 4, 16, 64)
 COST_CONTEXT = 256
 COST_REPEATS = 2
 COST_GUESSING_SEQS = 8  # sequences in the step timed for what a sequence with guesses adds (measure_sequence_cost)
-COST_ROWS_EACH = 5  # ... each with up to 1 + 4 rows
+COST_ROWS_EACH = 5  # the most rows of one sequence in a timed step (1 + up to 4 guesses): room left past the context
 
 
 @dataclass
@@ -406,15 +406,14 @@ def start_runner(config: EngineConfig, model: LlamaForCausalLM, device: torch.de
     if config.speculative != "off" and config.num_speculative_tokens > 0 and config.speculative_policy == "cost":
         # What the policy weighs guesses against: steps of up to every sequence with all its guesses.
         most = min(config.max_num_seqs * (1 + config.num_speculative_tokens), max_num_batched_tokens)
-        k = config.num_speculative_tokens
+        k = min(config.num_speculative_tokens, COST_ROWS_EACH - 1)
         runner.decode_cost = decode = runner.measure_cost(cost_rows(most))
         # A step with guesses costs a plain step of as many rows plus the price of leaving the fast path, the same at
         # every size (measured at two, so that noise in one point cannot bend the line the policy extends).
         shifted = runner.measure_cost([1 + k, max(1 + k, min(most, COST_ROWS[-2]))], guesses=k)
         switch = max(0.0, statistics.median(seconds - decode.seconds(rows) for rows, seconds in shifted.points))
         runner.step_cost = StepCost(tuple((rows, seconds + switch) for rows, seconds in decode.points))
-        runner.sequence_cost = runner.measure_sequence_cost(min(COST_GUESSING_SEQS, config.max_num_seqs),
-                                                            min(config.num_speculative_tokens, COST_ROWS_EACH - 1),
+        runner.sequence_cost = runner.measure_sequence_cost(min(COST_GUESSING_SEQS, config.max_num_seqs), k,
                                                             runner.step_cost)
     return runner
 
