@@ -27,7 +27,14 @@ def stage_parser(package: str, config_type: type | None = None) -> argparse.Argu
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=stage.PORT)
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens per demo prompt")
-    for f in dataclasses.fields(config_type) if config_type else ():
+    if config_type is not None:
+        add_config_args(parser, config_type)
+    return parser
+
+
+def add_config_args(parser: argparse.ArgumentParser, config_type: type) -> None:
+    """One flag per field of a config dataclass, its help from the field's metadata."""
+    for f in dataclasses.fields(config_type):
         default = f.default
         flag, help_text = f"--{f.name.replace('_', '-')}", f"{f.metadata['help']} (default: {default})"
         if isinstance(default, bool):  # a switch: --enforce-eager, and --no-enforce-eager to undo it
@@ -35,7 +42,6 @@ def stage_parser(package: str, config_type: type | None = None) -> argparse.Argu
         else:
             parser.add_argument(flag, type=type(default), default=default, help=help_text,
                                 choices=f.metadata.get("choices"))
-    return parser
 
 
 def config_from_args(config_type: type[Config], args: argparse.Namespace) -> Config:

@@ -66,6 +66,11 @@ def run(name: str, command: list[str], log: Path, env: dict[str, str] | None = N
     return {"name": name, "command": command, "env": env or {}, "exit": code, "seconds": seconds}
 
 
+def is_gateway(folder: str) -> bool:
+    """A stage that serves through a gateway of replicas (10 on), not one server process."""
+    return (REPO / folder / "gateway.py").is_file()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m common.gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="a model folder (default: the embedded model, else random weights)")
@@ -85,13 +90,15 @@ def main(argv: list[str] | None = None) -> int:
                                 f"--junitxml={args.out / 'gpu-suite.xml'}"], args.out / "gpu-suite.log", env)]
     for folder in stage_folders():
         has_kernels = (REPO / folder / "triton_attention.py").is_file()
+        # A gateway's demo runs two models' replicas on this one GPU: a quarter of it each, a fifth of its memory.
+        fleet = ["--replica-gpus", "0.25", "--gpu-memory-utilization", "0.2"] if is_gateway(folder) else []
         for attention in ("triton", "torch") if has_kernels else ("auto",):
-            checks.append(run(f"{folder} demo ({attention})",
-                              [sys.executable, "-m", folder, "--demo", "--device", "cuda", "--model", str(model)],
+            command = [sys.executable, "-m", folder, "--demo", "--device", "cuda", "--model", str(model), *fleet]
+            checks.append(run(f"{folder} demo ({attention})", command,
                               args.out / "demos.log", {**env, "LLM_ATTENTION": attention}, timeout_s=600))
     if not args.skip_bench:
         for folder in stage_folders():
-            if folder[:2] >= FIRST_BENCHMARKED_STAGE:
+            if folder[:2] >= FIRST_BENCHMARKED_STAGE and not is_gateway(folder):  # a gateway has its own benchmark
                 checks.append(run(f"{folder} benchmark",
                                   [sys.executable, "-m", "common.bench", "--stage", folder[:2], "--device", "cuda",
                                    "--model", str(model), "--out", str(args.out), *BENCH_ARGS],

@@ -24,22 +24,29 @@ from .weights import build_atomically, cache_dir
 
 ASSETS = Path(__file__).resolve().parent / "assets" / "smollm2-135m-instruct"
 NAME = "smollm2-135m-random"
+# Larger members of the family, as shapes over the 135M configuration (from their Hugging Face config.json):
+# stage 10 puts a "large" model beside the real small one; offline, only its shapes can be real.
+SHAPES: dict[str, dict[str, int]] = {
+    "135m": {},
+    "360m": {"hidden_size": 960, "intermediate_size": 2560, "num_hidden_layers": 32, "num_attention_heads": 15,
+             "num_key_value_heads": 5},
+}
 
 
-def random_model_dir(target: Path | None = None, seed: int = 0) -> Path:
+def random_model_dir(target: Path | None = None, seed: int = 0, shape: str = "135m") -> Path:
     """The random-weight checkpoint's folder, built on first use (atomically, like the converted model)."""
-    target = target or cache_dir() / "models" / NAME
+    target = target or cache_dir() / "models" / NAME.replace("135m", shape)
     if not (target / "config.json").is_file():
-        build_atomically(target, lambda tmp: build(tmp, seed))
+        build_atomically(target, lambda tmp: build(tmp, seed, shape))
     return target
 
 
-def build(out_dir: Path, seed: int) -> None:
+def build(out_dir: Path, seed: int, shape: str = "135m") -> None:
     """Write config, tokenizer and random float32 weights as a Hugging Face folder."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    fields = json.loads((ASSETS / "config.json").read_text())
+    fields = json.loads((ASSETS / "config.json").read_text()) | SHAPES[shape]
     rope = fields.pop("rope_parameters", {})
     keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
@@ -64,8 +71,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m common.random_model", description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", nargs="?", type=Path, help=f"where to build it (default: <cache>/models/{NAME})")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shape", default="135m", choices=sorted(SHAPES), help="which SmolLM2's shapes")
     args = parser.parse_args()
-    print(random_model_dir(args.folder, args.seed))
+    print(random_model_dir(args.folder, args.seed, args.shape))
 
 
 if __name__ == "__main__":

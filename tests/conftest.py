@@ -188,3 +188,6 @@ engine07, server07 = stage_fixtures("07_cuda_graphs", kv_cache_mb=64, max_num_ba
 engine08, server08 = stage_fixtures("08_speculative", kv_cache_mb=64, max_num_batched_tokens=64)
 # Stage 09 with one rank, like every stage before it; test_09_tensor_parallel starts the engines of several.
 engine09, server09 = stage_fixtures("09_tensor_parallel", kv_cache_mb=64, max_num_batched_tokens=64)
+# Stage 10's engine is stage 09's, unchanged: the every-stage test runs it too (its server is tested through
+# the gateway, in test_10_gateway).
+engine10, server10 = stage_fixtures("10_gateway", kv_cache_mb=64, max_num_batched_tokens=64)

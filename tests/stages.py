@@ -34,6 +34,8 @@ CAPABILITIES = {
     "static_buffers": "07: decode steps from static buffers in buckets, replayed as CUDA graphs",
     "speculation": "08: speculative decoding: k guesses per sequence, verified in one pass",
     "ranks": "09: tensor parallelism over several ranks (processes), steps broadcast from rank 0",
+    "gateway": "10: many stage 09 servers as one endpoint on Ray Serve: routing by model, difficulty and prefix; "
+               "autoscaling on queue depth",
 }
 IMPORTS, DOCSTRING, OTHER = "<imports>", "__doc__", "<statements>"  # the pseudo-definitions of a module
 
@@ -176,6 +178,11 @@ TABLE = course(
                            "ModelConfig", "load_safetensors"),
               "model_runner.py": ("__doc__", "<imports>", "ModelRunner", "start_runner"),
           }),
+    Stage("10_gateway", adds={"gateway"},
+          lesson="the gateway: stage 09's engine unchanged on Ray Serve replicas; routing by model, difficulty and "
+                 "prefix; autoscaling on queue depth",
+          changes={
+          }),
 )
 BY_FOLDER = {entry.folder: entry for entry in TABLE}
 STAGES = [entry.folder for entry in TABLE]
@@ -201,7 +208,9 @@ def stages_having(capability: str) -> list[str]:
     return [folder for folder in STAGES if has(folder, capability)]
 
 
-FASTAPI_STAGES = stages_having("streaming")  # the OpenAI server with streaming; stage 01 is a Flask app
+# The OpenAI server with streaming (stage 01 is a Flask app), served by one process. Stage 10 serves stage 09's app,
+# unchanged, on each replica behind its gateway: test_10_gateway holds the gateway to stage 09's answers.
+FASTAPI_STAGES = [folder for folder in stages_having("streaming") if not has(folder, "gateway")]
 
 
 def stages_with(module: str) -> list[str]:

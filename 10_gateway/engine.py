@@ -1,0 +1,348 @@
+"""The engine: one step at a time within a token budget, every request in flight batched into each pass.
+
+Each ``step`` is a short pipeline: the scheduler picks the sequences that take part and how many tokens
+each (one for every decoding sequence, then chunks of prompts, within the step's token budget), the
+model runner lays them out as one flat batch and runs the model, the sampler picks the next token of
+every sequence whose step reaches its last token, and the scheduler counts the computed tokens,
+appends the new ones, finishes the sequences that are done and frees their blocks. A request that
+arrives mid-way joins at the next step; a long prompt is computed a chunk per step, alongside
+everyone else's decodes.
+
+A decoding sequence may also bring guesses of its next tokens (``proposer.py``): the scheduler
+reserves room for them, the proposer fills it, the model runs the last token and the guesses in one
+pass, and verification (``speculative.py``) keeps the longest run the model agrees with, plus one token
+of its own: 1 to k + 1 tokens per sequence and step, exactly those it would have produced one by one.
+The rejected guesses' blocks go back to the pool. How many guesses each sequence gets, 0 to k, the
+policy (``policy.py``) decides each step, from what a step costs (measured at start-up) and how often the
+sequence's guesses have been kept.
+
+The model may be split across N processes (``--tensor-parallel-size``). This engine is rank 0: it
+starts the other ranks, and every rank starts up the same way (``worker.py``: the number of KV blocks is
+the smallest any rank can hold). Then only rank 0 schedules; the others are model runners that run each
+step it sends them. A rank that dies, or a step that fails on one, stops the engine (the ranks can no
+longer be in step) and every rank.
+
+``Engine`` is the synchronous core (``add_request``, ``step``, ``abort``); ``AsyncEngine``
+(``async_engine.py``) runs its step loop on a thread for the asyncio server.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import AutoTokenizer
+
+from common.device import pick_device, pick_dtype
+from common.trace import RequestTrace
+from common.weights import resolve_model
+
+from .block_manager import BlockManager
+from .config import CPU_TOKEN_BUDGET, CUDA_TOKEN_BUDGET, EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .distributed import RanksOutOfStep, TPGroup, device_of, start_ranks
+from .kv_cache import KVCache
+from .model import LlamaForCausalLM, ModelConfig
+from .model_runner import StepInput, cost_rows, start_runner
+from .policy import SpeculationCost
+from .prefix_index import HashIndex, PrefixIndex
+from .proposer import DraftProposer, NgramProposer, layer_skip_draft, load_draft
+from .radix_tree import RadixTree
+from .sampler import SamplingParams, TokenLogprobs, compute_logprobs, make_generator
+from .scheduler import Batch, Sampled, Scheduler
+from .sequence import Sequence, StepKind, StepResult
+from .speculative import Speculation, verify
+from .stats import EngineStats, KVBlockStats, PrefixCacheStats
+from .worker import memory_report, run_worker
+
+
+class InvalidRequest(ValueError):
+    """The engine cannot take this request (token ids outside the vocabulary, too long): a 400."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine thread has exited: nothing it held or was sent will ever be served."""
+
+
+def make_index(kind: str, block_size: int) -> PrefixIndex | None:
+    """The prefix cache's index (``--prefix-cache``): the hash chain, the radix tree, or none."""
+    indexes: dict[str, type[HashIndex] | type[RadixTree]] = {"hash": HashIndex, "radix": RadixTree}
+    return indexes[kind](block_size) if kind != "off" else None
+
+
+def token_budget(config: EngineConfig, device: torch.device) -> int:
+    """The step's token budget: ``--max-num-batched-tokens``, or the device's default. Every running sequence
+    decodes in every step, so the budget must hold ``max_num_seqs`` tokens at least."""
+    budget = config.max_num_batched_tokens or (CUDA_TOKEN_BUDGET if device.type == "cuda" else CPU_TOKEN_BUDGET)
+    if budget < config.max_num_seqs:
+        raise ValueError(f"--max-num-batched-tokens {budget} is below --max-num-seqs {config.max_num_seqs}: every "
+                         "running sequence decodes in every step, so the budget must be at least max_num_seqs")
+    return budget
+
+
+def check_tensor_parallel(config: EngineConfig, model: ModelConfig) -> None:
+    """Refuse, before any process starts, what tensor parallelism cannot run."""
+    model.check_tensor_parallel_size(config.tensor_parallel_size)
+    if config.tensor_parallel_size > 1 and config.speculative == "draft":
+        raise ValueError("--speculative draft: the draft model would run on rank 0 alone beside a split model; "
+                         "with --tensor-parallel-size above 1, use --speculative ngram or off")
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """Sample ``index``'s own seed, derived from the request's: sample 0 draws what ``n`` = 1 would, and every
+    sample of a seeded request is reproducible. (A step of 2**64 / golden ratio spreads the seeds apart.)"""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index * 0x9E3779B97F4A7C15) % 2**64
+
+
+class Engine:
+    """One model, one KV-cache pool, and a scheduler that batches every request it holds.
+
+    With tensor parallelism this engine is rank 0: it starts the other ranks (``worker.run_worker``), which are
+    model runners only, and sends them every step it runs."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, self.device)
+        self.max_num_batched_tokens = token_budget(config, self.device)  # checked before the weights are loaded
+        model_dir = resolve_model(config.model)
+        check_tensor_parallel(config, ModelConfig.from_pretrained(model_dir))  # before any process starts
+        self.ranks = start_ranks(config.tensor_parallel_size, self.device, config.dist_timeout, run_worker,
+                                 (config, self.max_num_batched_tokens))
+        self.device = device_of(self.device, self.ranks.tp)  # on CUDA each rank its own GPU
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        self.model = LlamaForCausalLM.from_pretrained(model_dir, dtype=self.dtype, device=self.device, tp=self.ranks.tp)
+        self.max_model_len: int = self.model.config.max_position_embeddings
+        self.eos_token_ids = set(self.model.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        draft = self.make_draft(config)  # before the pool: a separate draft's weights are not the pool's to take
+        draft_shape = draft.config.cache_shape(config.block_size, self.dtype) if draft is not None else None
+        self.runner = start_runner(config, self.model, self.device, self.max_num_batched_tokens,
+                                   draft_shape.bytes_per_block if draft_shape else 0)
+        self.kv_cache = self.runner.kv_cache
+        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size,
+                                          make_index(config.prefix_cache, config.block_size))
+        self.proposer: NgramProposer | DraftProposer | None = None
+        if config.speculative == "ngram":
+            self.proposer = NgramProposer()
+        elif draft is not None:
+            num_blocks = self.kv_cache.num_blocks  # the draft's K/V live in blocks of the same ids
+            self.draft_kv_cache = KVCache.allocate(draft_shape, num_blocks * draft_shape.bytes_per_block, self.device)
+            self.proposer = DraftProposer(draft, self.draft_kv_cache, config.block_size, self.device,
+                                          config.max_num_seqs, self.max_model_len, self.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
+                                   self.eos_token_ids, self.speculation_cost())
+
+    @property
+    def tp(self) -> TPGroup:
+        """This engine's place among the ranks (one rank: no group; once shut down: one rank again)."""
+        return self.ranks.tp
+
+    def check_ranks(self) -> None:
+        """Raise EngineStopped if a rank this engine started has exited (torchrun watches its own ranks)."""
+        if (why := self.ranks.exited()) is not None:
+            raise EngineStopped(why)
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop every other rank and leave none behind (``Ranks.stop``)."""
+        self.ranks.stop(graceful)
+
+    def memory_report(self) -> str:
+        return memory_report(self.runner)
+
+    def make_draft(self, config: EngineConfig) -> LlamaForCausalLM | None:
+        """The draft model of ``--speculative draft``: a local folder's, or the model's own first layers."""
+        if config.num_speculative_tokens < 0:
+            raise ValueError(f"--num-speculative-tokens {config.num_speculative_tokens}: it must be 0 or more")
+        if config.speculative != "draft":
+            return None
+        if config.draft_model:
+            return load_draft(str(resolve_model(config.draft_model)), self.model, self.tokenizer.get_vocab(),
+                              self.dtype, self.device)
+        num_layers = config.draft_layers or max(1, self.model.config.num_layers // 3)
+        if not 1 <= num_layers <= self.model.config.num_layers:
+            raise ValueError(f"--draft-layers {num_layers}: the model has {self.model.config.num_layers} layers")
+        return layer_skip_draft(self.model, num_layers)
+
+    def speculation_cost(self) -> SpeculationCost | None:
+        """What the speculation policy weighs guesses against: the runner's step costs, measured at start-up, and a
+        draft model's (each guess also takes a row of one of its steps). None without speculation, or with
+        ``--speculative-policy always``: every sequence then guesses its k."""
+        runner = self.runner
+        if self.proposer is None or runner.step_cost is None or runner.decode_cost is None:
+            return None
+        draft = None
+        if isinstance(self.proposer, DraftProposer):  # its steps run one row per sequence still guessing
+            draft = self.proposer.runner.measure_cost(cost_rows(self.config.max_num_seqs))
+        return SpeculationCost(runner.step_cost, runner.decode_cost, draft, runner.sequence_cost)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the whole pool can hold: the most any one sequence can ever reach."""
+        return self.block_manager.num_blocks * self.block_manager.block_size
+
+    def stats(self) -> EngineStats:
+        blocks, scheduler = self.block_manager, self.scheduler
+        return EngineStats(len(scheduler.running), len(scheduler.waiting),
+                           KVBlockStats(blocks.num_blocks, blocks.num_used, blocks.num_evictable, blocks.num_free,
+                                        blocks.num_cached, blocks.block_size),
+                           scheduler.num_preemptions,
+                           PrefixCacheStats(scheduler.prefix_cache_queries, scheduler.prefix_cache_hits),
+                           scheduler.speculation)
+
+    # --- text <-> token ids ---------------------------------------------------------------
+    def encode(self, prompt: str) -> list[int]:
+        return self.tokenizer(prompt).input_ids
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Render the conversation with the model's chat template, ready for the assistant's turn."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False).input_ids  # the template has them
+
+    # --- requests in and out --------------------------------------------------------------
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Refuse what would break the engine, whoever calls it: the server checks too, but on CUDA an
+        index out of range is a device-side assert that takes every later batch down with it."""
+        vocab_size = self.model.config.vocab_size
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty")
+        if bad := [i for i in [*prompt_ids, *params.logit_bias] if not 0 <= i < vocab_size]:
+            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequest(f"{len(prompt_ids)} prompt + {params.max_tokens} new tokens exceed the context "
+                                 f"length of {self.max_model_len}")
+        # A sequence that outgrew the whole pool could never run, even alone.
+        if len(prompt_ids) + params.max_tokens > self.kv_capacity_tokens:
+            raise InvalidRequest(f"{len(prompt_ids)} prompt + {params.max_tokens} new tokens exceed the "
+                                 f"{self.kv_capacity_tokens} tokens of the KV cache")
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    trace: RequestTrace | None = None, n: int = 1) -> None:
+        """Queue a request for ``n`` samples; it joins the batch at a coming step. Raises InvalidRequest if it
+        cannot run.
+
+        Sample 0 is queued now. The other samples start after its prefill (the scheduler's ``_fork``): by then
+        the prompt's full blocks are in the prefix cache, and each sample computes only the prompt's last block."""
+        assert n >= 1 and not (n > 1 and params.prompt_logprobs is not None), "prompt logprobs are scored once"
+        self.check_request(prompt_ids, params)
+        k = self.config.num_speculative_tokens if self.proposer is not None else 0
+        samples = [Sequence(request_id, list(prompt_ids), params, make_generator(sample_seed(params.seed, i),
+                                                                                 self.device),
+                            IncrementalDetokenizer(self.tokenizer, params.stop), trace=trace or RequestTrace(), index=i,
+                            speculation=Speculation(k))
+                   for i in range(n)]
+        samples[0].forks = samples[1:]
+        self.scheduler.add(samples[0])
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request wherever it is (its client left); its blocks return to the pool now."""
+        self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- one step -------------------------------------------------------------------------
+    def step(self) -> StepResult:
+        """One iteration, a pipeline: schedule, propose, prepare, execute, verify, update (the scheduler counts the
+        step's tokens, appends each run, finishes and frees). Returns the output of every sequence that has news
+        (a chunk that ends part-way through its prompt has none)."""
+        started = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return StepResult([])
+        try:
+            self._propose(batch)
+            inputs = self.runner.prepare(batch)
+            self.ranks.send(inputs)  # every other rank runs the same step on its slices
+            logits, prompt_logits = self.runner.execute(inputs)  # [R, V]: 1 + k rows per sampling sequence; [M, V]
+            sampled = self._verify(batch, inputs, logits, prompt_logits)
+        except Exception as exc:  # one pass for the whole batch: all of it fails (their caches are half written)
+            if isinstance(exc, RanksOutOfStep):  # a rank died, or failed mid-step
+                self.check_ranks()  # the better message, when a process is gone
+                raise EngineStopped(f"the tensor-parallel ranks are out of step: {exc}") from exc
+            if isinstance(exc, torch.AcceleratorError):
+                # A CUDA error (a device-side assert, say) is sticky: every later kernel on this GPU fails
+                # too. Failing this batch and going on would fail every batch after it, so the engine
+                # stops, and the server says so (503) instead of answering each request with a 500.
+                raise EngineStopped(f"the GPU failed: {exc}") from exc
+            return StepResult([self.scheduler.fail(seq, exc) for seq in batch.seqs], batch.num_tokens)
+        ended = time.perf_counter()
+        for seq in batch.seqs:  # the whole step: each waited for all of the batch
+            kind: StepKind = "decode" if seq.output_ids and seq.num_new_tokens == 1 else "prefill"
+            seq.trace.add(kind, started, ended)
+        accepted_lengths = [len(news.token_ids) - 1 for seq, news in zip(batch.seqs, sampled, strict=True)
+                            if seq.draft_ids]
+        return StepResult(self.scheduler.update(batch, sampled), batch.num_tokens, accepted_lengths)
+
+    def _propose(self, batch: Batch) -> None:
+        """The sequences the scheduler reserved room for get up to that many guesses each."""
+        seqs = [seq for seq in batch.seqs if seq.num_lookahead_slots]
+        if not seqs:
+            return
+        assert self.proposer is not None, "room for guesses, and nobody to guess"
+        self.scheduler.set_guesses(seqs, self.proposer.propose(seqs, [seq.num_lookahead_slots for seq in seqs]))
+
+    def _verify(self, batch: Batch, inputs: StepInput, logits: torch.Tensor,
+                prompt_logits: torch.Tensor | None) -> list[Sampled]:
+        """The run of every sequence whose step reaches its last token: the longest run of its guesses the model
+        agrees with, plus one token of its own, from its 1 + k rows of ``logits`` (a chunk that ends part-way
+        through its prompt samples nothing); with the logprobs its request asked for."""
+        sampling = [seq for seq in batch.seqs if seq.samples_next_token]  # [S]; none when only mid-prompt chunks
+        runs = verify(logits, [seq.params for seq in sampling], [seq.draft_ids for seq in sampling],
+                      [seq.draft_probs for seq in sampling], [seq.output_ids for seq in sampling],
+                      [seq.generator for seq in sampling]) if sampling else []
+        logprobs = self._logprobs(logits, sampling, runs)
+        chosen = {id(seq): (run, run_logprobs) for seq, run, run_logprobs in zip(sampling, runs, logprobs, strict=True)}
+        scored = prompt_logits.split(inputs.num_prompt_logits) if prompt_logits is not None else None
+        sampled = []
+        for i, seq in enumerate(batch.seqs):
+            prompt_logprobs = None
+            if scored is not None and inputs.num_prompt_logits[i]:
+                prompt_logprobs = self._score_prompt(seq, scored[i])
+            run, run_logprobs = chosen.get(id(seq), ([], []))
+            sampled.append(Sampled(run, run_logprobs, prompt_logprobs))
+        return sampled
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, sampling: list[Sequence], runs: list[list[int]]) -> list[list]:
+        """Each sampling sequence's logprobs of the tokens of its run (None where it did not ask): row i of a
+        sequence scores its run's token i; the rows of rejected guesses score nothing."""
+        targets, ks = [], []
+        for seq, run in zip(sampling, runs, strict=True):
+            rows = 1 + len(seq.draft_ids)
+            targets += run + seq.draft_ids[len(run):]  # past the run: any valid id, its row is not asked for
+            ks += [seq.params.logprobs] * len(run) + [None] * (rows - len(run))
+        measured = compute_logprobs(logits, targets, ks) if sampling else []
+        per_seq, start = [], 0
+        for seq, run in zip(sampling, runs, strict=True):
+            per_seq.append(measured[start : start + len(run)])
+            start += 1 + len(seq.draft_ids)
+        return per_seq
+
+    @staticmethod
+    def _score_prompt(seq: Sequence, logits: torch.Tensor) -> list[TokenLogprobs]:
+        """Echo: the logprobs of the prompt tokens this step's rows of ``seq`` predict. Its first row is at position
+        ``num_computed_tokens`` and predicts the token after it."""
+        # logits: [m, V] for positions start .. start + m - 1, which predict prompt tokens start + 1 .. start + m
+        start = seq.num_computed_tokens
+        targets = seq.prompt_ids[start + 1 : start + 1 + logits.shape[0]]
+        return compute_logprobs(logits, targets, [seq.params.prompt_logprobs] * len(targets))
+
+    def generate_offline(self, prompts: list[list[int]],
+                         params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Offline use (the demo, the tests): run every prompt to the end, all batched; their output ids. (The
+        server streams through ``AsyncEngine.generate`` instead.)"""
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        outputs: dict[str, list[int]] = {}
+        for i, (prompt_ids, p) in enumerate(zip(prompts, params, strict=True)):
+            self.add_request(f"offline-{i}", prompt_ids, p)
+            outputs[f"offline-{i}"] = []
+        while self.has_unfinished():
+            for output in self.step().outputs:
+                if output.error is not None:
+                    raise output.error
+                outputs[output.request_id].extend(output.token_ids)
+        return list(outputs.values())

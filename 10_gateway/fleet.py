@@ -1,0 +1,116 @@
+"""The fleet as a Ray Serve application: one deployment per model (its replicas, its router, its autoscaling),
+and the gateway in front of them.
+
+``build_app`` only describes the application; ``start`` runs it on a local Ray instance (or on the cluster
+``RAY_ADDRESS`` names), ``stop`` ends both. Nothing else in this stage starts a process: Ray places each
+replica in a worker process of its own, restarts the ones that die, and adds or removes them as the
+autoscaling policy says.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import ray
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
+
+from common.cli import served_name
+
+from .autoscaling import QueueDepthPolicy
+from .config import EngineConfig
+from .gateway import Gateway, ServedModel
+from .gateway_config import GatewayConfig
+from .prefix_router import PrefixAwareRouter
+from .replica import ModelReplica
+from .routing import DifficultyRule, Size
+
+REPO = Path(__file__).resolve().parent.parent  # the replicas' processes import the stages from here
+APP_NAME = "gateway"
+POW2_ROUTER = "ray.serve._private.request_router.pow_2_router:PowerOfTwoChoicesRequestRouter"  # Serve's default
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str  # what clients put in "model"
+    size: Size
+    engine: EngineConfig  # its replicas' engine (engine.model: the folder)
+
+
+def model_specs(engine: EngineConfig, fleet: GatewayConfig, large_folder: str | None) -> list[ModelSpec]:
+    """The small model (``engine.model``) and, if there is one, the large one with the same engine settings."""
+    specs = [ModelSpec(served_name(engine.model), "small", engine)]
+    if large_folder:
+        name = served_name(large_folder)
+        if name == specs[0].name:  # two folders of the same name: tell them apart
+            name += "-large"
+        specs.append(ModelSpec(name, "large", replace(engine, model=large_folder)))
+    return specs
+
+
+def deployment_name(model: str) -> str:
+    return "model-" + re.sub(r"[^A-Za-z0-9_-]", "-", model)
+
+
+def model_deployment(spec: ModelSpec, fleet: GatewayConfig) -> Application:
+    """One model's replicas: each a ModelReplica holding ``replica_cpus`` CPUs, routed and autoscaled."""
+    if fleet.router == "prefix":
+        router = RequestRouterConfig(request_router_class=PrefixAwareRouter,
+                                     request_router_kwargs={"imbalance": fleet.router_imbalance})
+    else:
+        router = RequestRouterConfig(request_router_class=POW2_ROUTER)
+    policy = AutoscalingPolicy(policy_function=QueueDepthPolicy, policy_kwargs={
+        "target_depth": fleet.target_queue_depth, "slots": fleet.max_ongoing_requests})
+    autoscaling = AutoscalingConfig(
+        min_replicas=fleet.min_replicas, max_replicas=fleet.max_replicas, initial_replicas=fleet.min_replicas,
+        metrics_interval_s=fleet.metrics_interval_s, look_back_period_s=max(1.0, 2 * fleet.metrics_interval_s),
+        upscale_delay_s=fleet.upscale_delay_s, downscale_delay_s=fleet.downscale_delay_s, policy=policy)
+    threads = max(1, math.ceil(fleet.replica_cpus))
+    return serve.deployment(ModelReplica).options(
+        name=deployment_name(spec.name), max_ongoing_requests=fleet.max_ongoing_requests,
+        max_queued_requests=fleet.max_queued_requests,
+        ray_actor_options={"num_cpus": fleet.replica_cpus, "num_gpus": fleet.replica_gpus},
+        autoscaling_config=autoscaling, request_router_config=router,
+        health_check_period_s=2.0, health_check_timeout_s=30.0, graceful_shutdown_timeout_s=5.0,
+    ).bind(spec.engine, spec.name, threads)
+
+
+def build_app(specs: list[ModelSpec], fleet: GatewayConfig) -> Application:
+    models = [ServedModel(spec.name, spec.size, spec.engine.model, model_deployment(spec, fleet),
+                          deployment_name(spec.name)) for spec in specs]
+    rule = DifficultyRule(fleet.long_prompt_tokens, fleet.long_output_tokens, fleet.hard_prompt_score)
+    return Gateway.bind(models, rule, specs[0].engine.block_size)
+
+
+def cpus_needed(specs: list[ModelSpec], fleet: GatewayConfig) -> float:
+    """The CPUs Ray must be told of for every model to reach its maximum."""
+    return len(specs) * fleet.max_replicas * fleet.replica_cpus
+
+
+def start(specs: list[ModelSpec], fleet: GatewayConfig, host: str = "127.0.0.1", port: int = 8010) -> str:
+    """Start Ray (here, unless RAY_ADDRESS names a cluster), deploy the fleet, wait until every model has its
+    minimum of replicas; the gateway's URL.
+
+    On one machine, Ray is told of at least as many CPUs as the fleet may reserve: on a laptop the replicas
+    then share its cores (the course's CPU measurements say what that costs); on a cluster, Ray's own
+    count of each machine's CPUs (or GPUs) is what places replicas."""
+    if not ray.is_initialized():
+        local = "RAY_ADDRESS" not in os.environ
+        num_cpus = max(os.cpu_count() or 1, math.ceil(cpus_needed(specs, fleet))) if local else None
+        # address "local": a Ray instance of this process's own, never one that another program started here.
+        ray.init(address="local" if local else None, num_cpus=num_cpus, include_dashboard=False,
+                 log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(build_app(specs, fleet), name=APP_NAME, route_prefix="/")
+    return f"http://{host}:{port}"
+
+
+def stop() -> None:
+    """Every replica, the gateway, Serve's controller and proxy, then Ray itself."""
+    serve.shutdown()
+    ray.shutdown()

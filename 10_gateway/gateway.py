@@ -1,0 +1,234 @@
+"""The gateway: one OpenAI endpoint in front of every replica of every model.
+
+It is Ray Serve's ingress deployment: Ray Serve's HTTP proxy hands it each request, and it
+
+1. validates the request with the same models as stage 09 (the same 400s, before any replica is used);
+2. picks the model: the one the request names, or for ``"model": "auto"`` the one ``routing.choose_size``
+   picks (counted by reason on /metrics);
+3. tokenizes the prompt with that model's tokenizer and hashes its first blocks as stage 05 does, for the
+   prefix router;
+4. calls the model's deployment through its Ray Serve handle, which queues the call until a replica has
+   room (``max_queued_requests`` bounds that queue: past it, 503 with Retry-After), and relays the replica's
+   answer, a stream or a whole response, as it comes.
+
+What the replica answers is stage 09's own response (see replica.py): the gateway adds only headers that say
+where the request went (``x-model``, ``x-replica``, ``x-route``). A replica that fails mid-stream gives its
+clients an error event; the gateway keeps serving through the others.
+"""
+
+# No `from __future__ import annotations` here: Ray Serve's ingress rebuilds the routes' signatures, and FastAPI
+# must see their types as types, not strings, to know a body from a query parameter.
+import asyncio
+import itertools
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from ray import serve
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from common.errors import add_error_handlers
+from common.limits import Limits, add_limits
+from common.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    SamplingRequest,
+    now,
+)
+
+from . import TITLE
+from .gateway_config import ROUTING_BLOCKS
+from .prefix_index import HashIndex
+from .replica import ResponseStart
+from .routing import DifficultyRule, Size, choose_size
+from .server import GENERATION_RESPONSES, sse_event
+
+AUTO = "auto"  # the model name that lets the gateway choose
+RETRY_AFTER_S = 1
+# Ray Serve's proxy sends the gateway no more than this many requests at once; past it they wait in the proxy.
+GATEWAY_MAX_ONGOING = 16_384
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """A model behind the gateway: its deployment's handle and what routing needs of it."""
+
+    name: str
+    size: Size
+    folder: str  # its Hugging Face folder: the gateway loads only its tokenizer
+    handle: DeploymentHandle
+    deployment: str  # the Ray Serve deployment's name (for its replica count)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.routed = Counter("llm_gateway_requests", "Requests sent to a model, by why that model.",
+                              ["model", "reason"], registry=r)
+        self.in_flight = Gauge("llm_gateway_requests_in_flight", "Requests sent to a model and not answered yet "
+                               "(in a replica's batch or queue, or waiting at the gateway for one).", ["model"],
+                               registry=r)
+        self.refused = Counter("llm_gateway_requests_refused", "Requests answered 503 by the gateway: its queue "
+                               "for the model was full (overloaded) or the replica failed (replica_failed).",
+                               ["model", "why"], registry=r)
+        self.replicas = Gauge("llm_gateway_replicas", "Replicas of a model, by state.", ["model", "state"],
+                              registry=r)
+
+
+app = FastAPI(title=TITLE)
+add_error_handlers(app)
+add_limits(app, Limits(max_requests=GATEWAY_MAX_ONGOING))
+
+
+@serve.deployment(max_ongoing_requests=GATEWAY_MAX_ONGOING, ray_actor_options={"num_cpus": 0})
+@serve.ingress(app)
+class Gateway:
+    def __init__(self, models: list[ServedModel], rule: DifficultyRule, block_size: int) -> None:
+        assert models, "the gateway needs a model"
+        self.models = {model.name: model for model in models}
+        self.default = models[0]  # a request that names no model goes here (the small one)
+        self.by_size = {model.size: model for model in reversed(models)}
+        self.rule = rule
+        self.index = HashIndex(block_size)  # only its hashes() is used: the block hashes of stage 05
+        self.tokenizers: dict[str, PreTrainedTokenizerBase] = {
+            model.name: AutoTokenizer.from_pretrained(model.folder) for model in models}
+        self.metrics = GatewayMetrics()
+        self.in_flight = {name: 0 for name in self.models}  # per model: sent, not answered yet
+        for name in self.models:
+            self.metrics.in_flight.labels(name).set_function(lambda name=name: self.in_flight[name])
+        self.context_lengths: dict[str, int] = {}
+
+    # --- the OpenAI routes --------------------------------------------------------------------
+    @app.post("/v1/completions", responses=GENERATION_RESPONSES)
+    async def completions(self, req: CompletionRequest, raw: Request) -> Response:
+        text = req.prompt if isinstance(req.prompt, str) else ""
+
+        def tokens(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+            return tokenizer(req.prompt).input_ids if isinstance(req.prompt, str) else req.prompt
+
+        return await self.forward(raw, req, text, tokens, req.max_tokens)
+
+    @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
+    async def chat_completions(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+
+        def tokens(tokenizer: PreTrainedTokenizerBase) -> list[int]:  # as stage 09's Engine.encode_chat
+            rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return tokenizer(rendered, add_special_tokens=False).input_ids
+
+        return await self.forward(raw, req, "\n".join(m["content"] for m in messages), tokens, req.output_limit)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def list_models(self) -> ModelList:
+        if not self.context_lengths:  # asked once, of one replica of each model
+            for name, model in self.models.items():
+                self.context_lengths[name] = (await model.handle.describe.remote())["max_model_len"]
+        cards = [ModelCard(id=name, created=now(), max_model_len=n) for name, n in self.context_lengths.items()]
+        auto = ModelCard(id=AUTO, created=now(), max_model_len=min(self.context_lengths.values()))
+        return ModelList(data=[*cards, auto])
+
+    @app.get("/health")
+    async def health(self) -> JSONResponse:
+        replicas = await self.replica_states()
+        body = {"status": "ok", "models": {
+            name: {"size": model.size, "replicas": replicas.get(model.name, {}),
+                   "in_flight": self.in_flight[name]}
+            for name, model in self.models.items()}}
+        return JSONResponse(body)
+
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        for name, states in (await self.replica_states()).items():
+            for state, count in states.items():
+                self.metrics.replicas.labels(name, state).set(count)
+        return Response(generate_latest(self.metrics.registry), media_type="text/plain; version=0.0.4")
+
+    # --- routing and relaying -----------------------------------------------------------------
+    def pick(self, req: SamplingRequest, text: str, tokens: Any, max_tokens: int | None) -> tuple[ServedModel, str]:
+        """The model a request goes to, and the reason (the counter's label)."""
+        if req.model is None:
+            return self.default, "default"
+        if req.model in self.models:
+            return self.models[req.model], "named"
+        if req.model == AUTO:
+            route = choose_size(len(tokens(self.tokenizers[self.default.name])), max_tokens, text, self.rule)
+            return self.by_size.get(route.size, self.default), route.reason
+        served = ", ".join(repr(name) for name in [*self.models, AUTO])
+        raise APIError(f"model {req.model!r} does not exist; this gateway serves {served}", param="model",
+                       code="model_not_found")
+
+    async def forward(self, raw: Request, req: SamplingRequest, text: str, tokens: Any,
+                      max_tokens: int | None) -> Response:
+        model, reason = self.pick(req, text, tokens, max_tokens)
+        ids = tokens(self.tokenizers[model.name])
+        hashes = list(itertools.islice(self.index.hashes(ids), ROUTING_BLOCKS))
+        body = await raw.json()
+        body["model"] = model.name  # the replica's app checks the name it serves ("auto" is the gateway's)
+        self.metrics.routed.labels(model.name, reason).inc()
+        self.in_flight[model.name] += 1
+        call: DeploymentResponseGenerator = model.handle.options(stream=True).handle.remote(
+            "POST", raw.url.path, json.dumps(body).encode(), prefix_hashes=hashes)
+        relayed = False  # from here on, the relay owns the call (and ends it)
+        try:
+            start: ResponseStart = await anext(call)  # waits for a replica, then for the app's first message
+            headers = {k: v for k, v in start.headers if k.lower() != "content-length"}
+            headers |= {"x-model": model.name, "x-replica": start.replica, "x-route": reason}
+            streaming = headers.get("content-type", "").startswith("text/event-stream")
+            response = StreamingResponse(self.relay(call, model.name, streaming), status_code=start.status,
+                                         headers=headers)
+            relayed = True
+            return response
+        except BackPressureError:
+            return self.refuse(model, "overloaded", f"every replica of {model.name!r} is busy and its queue at the "
+                               f"gateway is full; retry after {RETRY_AFTER_S} s")
+        except StopAsyncIteration:  # the replica ended the call without an answer
+            return self.refuse(model, "replica_failed", f"a replica of {model.name!r} gave no answer; retry")
+        except Exception as exc:  # the replica died, or its actor is unreachable
+            return self.refuse(model, "replica_failed", f"a replica of {model.name!r} failed: {type(exc).__name__}; "
+                               "retry")
+        finally:
+            if not relayed:
+                call.cancel()
+                self.in_flight[model.name] -= 1
+
+    def refuse(self, model: ServedModel, why: str, message: str) -> JSONResponse:
+        """503 with Retry-After: a client may try again (the ``openai`` client does so by itself)."""
+        self.metrics.refused.labels(model.name, why).inc()
+        return JSONResponse(APIError(message, 503, code=why).body(), status_code=503,
+                            headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    async def relay(self, call: DeploymentResponseGenerator, model: str, streaming: bool) -> AsyncIterator[bytes]:
+        """The rest of the replica's answer, piece by piece. If the client leaves, Starlette cancels this
+        generator and the ``finally`` cancels the call: the replica's app sees the client go, as in stage 09."""
+        finished = False
+        try:
+            async for piece in call:
+                yield piece
+            finished = True
+        except Exception as exc:  # the replica died mid-answer: the headers are sent, the error goes in the stream
+            self.metrics.refused.labels(model, "replica_failed").inc()
+            error = APIError(f"the replica failed mid-answer: {type(exc).__name__}; retry", 503, code="replica_failed")
+            if streaming:
+                yield sse_event(error.body()).encode()
+                yield b"data: [DONE]\n\n"
+        finally:
+            self.in_flight[model] -= 1
+            if not finished:
+                call.cancel()
+
+    async def replica_states(self) -> dict[str, dict[str, int]]:
+        """Each model's replicas by state (RUNNING, STARTING, STOPPING...), from Ray Serve's controller."""
+        status = await asyncio.to_thread(serve.status)
+        deployments = {d: info for application in status.applications.values()
+                       for d, info in application.deployments.items()}
+        return {model.name: {str(state): count for state, count in deployments[model.deployment].replica_states.items()}
+                for model in self.models.values() if model.deployment in deployments}

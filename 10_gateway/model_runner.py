@@ -1,0 +1,448 @@
+"""The model runner, one per rank: ``prepare`` a batch as plain numbers (rank 0), ``execute`` it (every rank).
+
+The model takes one step's tokens laid end to end, ``input_ids: [T]`` and ``positions: [T]``, with
+no padding. One step mixes both kinds of rows: every decoding sequence contributes its new token (and
+its guesses, below), and every sequence being prefilled its chunk, the ``num_scheduled_tokens`` tokens
+after the ``num_computed_tokens`` already in the cache (its cached prefix and its earlier chunks)::
+
+    tokens   | d0 | d1 | d2 | p0 p0 p0 p0 p0 p0 | p1 p1 p1 |      3 decodes, 2 chunks: T = 12
+    query_start_loc  0    1    2    3                   9          12
+    seq_lens        41   17   90   16 + 6 = 22         0 + 3 = 3  (cached + new)
+
+A step where every row is one token (a decode step, the most common kind) runs
+from **static buffers**: tensors allocated once, at fixed addresses, sized for the largest batch.
+The step's numbers are copied into their first rows and the rest is padding that writes nothing
+(slot -1) and reads nothing (context length 0). The batch size is rounded up to a *bucket* (1, 2,
+4, 8, then every 16), so that a few shapes serve every batch::
+
+    5 decoding sequences -> bucket 8:
+    input_ids     [a  b  c  d  e | 0  0  0 ]
+    slot_mapping  [s0 s1 s2 s3 s4| -1 -1 -1]    padding writes no KV
+    seq_lens      [41 17 90 5  33| 0  0  0 ]    and attends to nothing (zeros)
+    block_tables  [5 rows of blocks, then 3 rows of 0] x W columns, W = ceil(max_model_len / block_size) always
+
+On CUDA each bucket's forward pass is captured once into a **CUDA graph** (``capture``): the GPU
+records every kernel launch with its arguments, and a step then replays the whole pass with one
+launch from the CPU instead of some 1,400. Replay reads whatever the static buffers hold, which is
+why they never move and why their shapes (the table width too) never change. On a CPU nothing is
+captured: the same buffers, buckets and padding run eagerly, so every CPU test exercises them.
+
+Mixed and prefill steps, and steps that score prompts (echo), run eagerly, with tensors built for the
+step (``run_eager``): their shapes change every step.
+
+A decoding sequence may bring guesses (``draft_ids``), run right after its last token
+as a short chunk of 1 + k rows, and every one of those rows gets logits, for verification. A step with
+guesses has rows of several tokens, so it runs eagerly, not from the static buffers. At start-up the
+runner times steps of a few sizes, with and without guesses (``measure_cost``, ``measure_sequence_cost``):
+what a step's rows cost is what the speculation policy (``policy.py``) weighs each guess against.
+
+With tensor parallelism every rank has a runner, and rank 0 sends each step to the others before
+running it itself (``worker.py``); every rank runs the same forward pass on its own slices of the model
+(the model's collectives keep them in step), and the logits, gathered, arrive on rank 0 only. The ranks
+never send each other the step's input tensors: its plain numbers are a few kilobytes, and each rank
+builds its own tensors from them.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from bisect import bisect_left
+from dataclasses import dataclass
+from itertools import accumulate, pairwise
+
+import torch
+
+from common.device import keep_freed_memory
+
+from .attention import AttentionMetadata, use_triton
+from .block_manager import token_slots
+from .config import EngineConfig
+from .distributed import RanksOutOfStep, TPGroup
+from .kv_cache import KVCache, budget_bytes
+from .model import LlamaForCausalLM
+from .policy import StepCost, measure_step_cost
+from .scheduler import Batch
+
+log = logging.getLogger("llm-course")
+
+# What a step costs, for the speculation policy: decode steps of r sequences of COST_CONTEXT tokens each, for r in
+# COST_ROWS (straight lines between them; on a CPU the cost grows linearly past 16 rows, and each point costs
+# start-up time: the five take about 2 s for SmolLM2-135M on 2 cores), each the best of COST_REPEATS runs.
+COST_ROWS = (1, 2, 4, 16, 64)
+COST_CONTEXT = 256
+COST_REPEATS = 2
+COST_GUESSING_SEQS = 8  # sequences in the step timed for what a sequence with guesses adds (measure_sequence_cost)
+COST_ROWS_EACH = 5  # the most rows of one sequence in a timed step (1 + up to 4 guesses): room left past the context
+
+
+@dataclass
+class StepInput:
+    """One step as plain numbers: everything ``execute`` needs, nothing of the engine's objects."""
+
+    input_ids: list[int]  # [T]: every sequence's new tokens, end to end
+    positions: list[int]  # [T]: each token's position in its own sequence
+    slot_mapping: list[int]  # [T]: the cache slot each token's K/V goes to (-1: nowhere)
+    query_start_loc: list[int]  # [B + 1]: where each sequence's new tokens start in T
+    seq_lens: list[int]  # [B]: cached + new tokens of each sequence after this step
+    block_tables: list[list[int]]  # [B][max_blocks]: each sequence's blocks, padded with block 0
+    logits_indices: list[int]  # [R]: each sampling sequence's last row and its k guesses' rows (none mid-prompt)
+    prompt_logits_indices: list[int]  # the rows that score a prompt's next token, for the sequences that asked (echo)
+    num_prompt_logits: list[int]  # [B]: how many of those rows belong to each sequence (0 for most)
+
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """The buckets a decode step is padded to: 1, 2, 4, 8, then every 16 below ``max_num_seqs``, and
+    ``max_num_seqs`` itself (so that every batch size the scheduler can make has a bucket)."""
+    ### BEGIN SOLUTION 7.1
+    sizes = {size for size in (1, 2, 4, 8) if size < max_num_seqs}
+    sizes.update(range(16, max_num_seqs, 16))
+    return sorted(sizes | {max_num_seqs})
+    ### END SOLUTION
+
+
+def bucket_for(num_seqs: int, sizes: list[int]) -> int | None:
+    """The smallest bucket that holds ``num_seqs`` rows; None when none does (the step runs eagerly)."""
+    i = bisect_left(sizes, num_seqs)
+    return sizes[i] if i < len(sizes) else None
+
+
+@dataclass
+class StaticBuffers:
+    """A decode step's inputs and output at fixed addresses, sized for the largest bucket.
+
+    A captured graph replays its kernels on exactly these tensors, so a step never allocates new ones:
+    it copies its numbers in (``load``) and reads the output rows it needs. On CUDA the numbers go
+    through pinned CPU twins (``staging``) and are copied to the GPU without blocking the CPU."""
+
+    input_ids: torch.Tensor  # [max_bs] int64, padding 0 (any valid token: its row is thrown away)
+    positions: torch.Tensor  # [max_bs] int64, padding 0
+    slot_mapping: torch.Tensor  # [max_bs] int64, padding -1: write no K/V
+    seq_lens: torch.Tensor  # [max_bs] int32, padding 0: attend to nothing, output zeros
+    block_tables: torch.Tensor  # [max_bs, W] int32, padding 0; W never changes (a graph bakes in the stride)
+    query_start_loc: torch.Tensor  # [max_bs + 1] int32: 0, 1, 2, ... (one token a row, always)
+    query_lens: torch.Tensor  # [max_bs] int32: all ones
+    logits_indices: torch.Tensor  # [max_bs] int64: 0, 1, 2, ... (each row's one token is its last)
+    hidden: torch.Tensor  # [max_bs, hidden_size]: the forward pass's output
+    staging: dict[str, torch.Tensor]  # the rewritten buffers' CPU twins (pinned on CUDA)
+    copied: torch.cuda.Event | None = None  # on CUDA: set when the last step's copies out of staging are done
+
+    @classmethod
+    def allocate(cls, max_bs: int, width: int, hidden_size: int, dtype: torch.dtype,
+                 device: torch.device) -> StaticBuffers:
+        def zeros(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        inputs = {"input_ids": zeros(max_bs, dtype=torch.int64), "positions": zeros(max_bs, dtype=torch.int64),
+                  "slot_mapping": torch.full((max_bs,), -1, dtype=torch.int64, device=device),
+                  "seq_lens": zeros(max_bs), "block_tables": zeros(max_bs, width)}
+        pinned = device.type == "cuda"
+        staging = {name: torch.empty_like(buffer, device="cpu", pin_memory=pinned) for name, buffer in inputs.items()}
+        return cls(**inputs, query_start_loc=torch.arange(max_bs + 1, dtype=torch.int32, device=device),
+                   query_lens=torch.ones(max_bs, dtype=torch.int32, device=device),
+                   logits_indices=torch.arange(max_bs, dtype=torch.int64, device=device),
+                   hidden=zeros(max_bs, hidden_size, dtype=dtype), staging=staging)
+
+    @property
+    def width(self) -> int:
+        return self.block_tables.shape[1]
+
+    def load(self, step: StepInput, size: int) -> None:
+        """Rows [0, n) get the step's n decode rows, rows [n, size) padding; nothing of an earlier step stays."""
+        n = len(step.seq_lens)
+        assert n <= size <= self.input_ids.shape[0], f"{n} rows do not fit a bucket of {size}"
+        if self.copied is not None:  # the GPU may still be reading the last step's numbers out of staging
+            self.copied.synchronize()
+        pad = size - n
+        ### BEGIN SOLUTION 7.3
+        if any(len(table) > self.width for table in step.block_tables):
+            raise ValueError(f"a block table is wider than the static buffers' {self.width} blocks")
+        values = {
+            "input_ids": step.input_ids + [0] * pad,
+            "positions": step.positions + [0] * pad,
+            "slot_mapping": step.slot_mapping + [-1] * pad,
+            "seq_lens": step.seq_lens + [0] * pad,
+            "block_tables": [table + [0] * (self.width - len(table)) for table in step.block_tables]
+            + [[0] * self.width] * pad,
+        }
+        ### END SOLUTION
+        for name, rows in values.items():
+            staged = self.staging[name][:size]
+            staged.copy_(torch.tensor(rows, dtype=staged.dtype))
+            getattr(self, name)[:size].copy_(staged, non_blocking=True)  # pinned -> GPU: the CPU goes on
+        if self.input_ids.is_cuda:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+    def metadata(self, size: int) -> AttentionMetadata:
+        """The attention metadata of a bucket of ``size`` rows: views of the buffers, never copies."""
+        return AttentionMetadata(slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[:size + 1],
+                                 query_lens=self.query_lens[:size], seq_lens=self.seq_lens[:size],
+                                 block_tables=self.block_tables[:size], max_query_len=1,
+                                 logits_indices=self.logits_indices[:size])
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int,
+                 device: torch.device, max_num_seqs: int, max_model_len: int) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.device = device
+        self.sizes = graph_batch_sizes(max_num_seqs)  # the decode buckets, smallest first
+        width = -(-max_model_len // kv_cache.shape.block_size)  # blocks of the longest possible sequence
+        dtype = model.model.embed_tokens.weight.dtype
+        self.buffers = StaticBuffers.allocate(self.sizes[-1], width, model.config.hidden_size, dtype, device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # bucket -> its captured decode step (CUDA only)
+        self.capture_seconds: float | None = None  # how long capturing the graphs took; None: not captured
+        self.graph_memory_bytes = 0  # what the captured graphs hold on the GPU
+        self.step_cost: StepCost | None = None  # a step with guesses, by rows (None: not measured, no cost policy)
+        self.decode_cost: StepCost | None = None  # a step without guesses, by rows (None: not measured)
+        self.sequence_cost = 0.0  # seconds a sequence with guesses adds beyond its rows (``measure_sequence_cost``)
+        self.tp: TPGroup = model.tp
+
+    def prepare(self, batch: Batch) -> StepInput:
+        """Each sequence's ``num_scheduled_tokens`` tokens after its ``num_computed_tokens``, laid end to end."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        prompt_logits_indices: list[int] = []
+        num_prompt_logits: list[int] = []
+        for seq in batch.seqs:
+            ### BEGIN SOLUTION 6.2
+            start = seq.num_computed_tokens
+            end = start + seq.num_scheduled_tokens  # a decode: 1 + k (its guesses); a chunk: part of the prompt
+            input_ids.extend((seq.token_ids + seq.draft_ids)[start:end])
+            positions.extend(range(start, end))
+            slot_mapping.extend(token_slots(seq.block_table, self.block_size, start, end))
+            query_start_loc.append(query_start_loc[-1] + end - start)
+            seq_lens.append(end)  # what its queries see: everything cached, and this step's tokens
+            if seq.samples_next_token:  # its last token's row, and one row per guess
+                logits_indices.extend(range(query_start_loc[-1] - 1 - len(seq.draft_ids), query_start_loc[-1]))
+            ### END SOLUTION
+            # Prompt logprobs (echo): the row at position p predicts prompt token p + 1, for p < len(prompt) - 1.
+            scored = max(0, min(end, len(seq.prompt_ids) - 1) - start) if seq.needs_prompt_logprobs else 0
+            prompt_logits_indices.extend(range(query_start_loc[-2], query_start_loc[-2] + scored))
+            num_prompt_logits.append(scored)
+        width = max(len(seq.block_table) for seq in batch.seqs)
+        block_tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.seqs]
+        return StepInput(input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables, logits_indices,
+                         prompt_logits_indices=prompt_logits_indices, num_prompt_logits=num_prompt_logits)
+
+    def _tensor(self, values: list[int] | list[list[int]], dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
+    def bucket(self, step: StepInput) -> int | None:
+        """The bucket a step runs in from the static buffers, or None: it runs eagerly (a prompt chunk of
+        more than one token, a sequence's guesses, prompt scoring, or more rows than the largest bucket)."""
+        one_token_each = len(step.input_ids) == len(step.seq_lens)  # T == B: every row is one token
+        if not one_token_each or step.prompt_logits_indices:
+            return None
+        return bucket_for(len(step.seq_lens), self.sizes)
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """This rank's part of one forward pass for the whole step (every rank runs the same step).
+
+        Returns the logits of the last token of each sequence that samples and of its guesses,
+        [R, V] (R may be 0: a step of mid-prompt chunks only), and the logits of the prompt rows that score
+        prompts, [M, V] (None when no sequence asked). Only those rows go through the output projection, and
+        separately, so that nobody's sampled token depends on them. On ranks > 0 the logits are None: rank 0
+        gathers them.
+        """
+        try:
+            return self.run_step(step)
+        except Exception as exc:
+            if self.tp.size == 1:
+                raise
+            # The other ranks are inside some collective this one will never join (or one of them is gone):
+            # the ranks are out of step for good, and the engine cannot go on.
+            raise RanksOutOfStep(f"rank {self.tp.rank}: {type(exc).__name__}: {exc}") from exc
+
+    def run_step(self, step: StepInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """This rank's part of the step: from the static buffers when it fits a bucket, else eagerly."""
+        size = self.bucket(step)
+        if size is not None:
+            hidden = self.run_static(step, size)  # [B, hidden]: the real rows of the bucket
+            logits_indices = self._tensor(step.logits_indices, torch.int64)  # every rank computes its logit slice
+            return self.model.compute_logits(hidden[logits_indices]), None
+        return self.run_eager(step)
+
+    def run_static(self, step: StepInput, size: int) -> torch.Tensor:
+        """A decode step from the static buffers, padded to ``size`` rows: replayed if captured, else eager."""
+        self.buffers.load(step, size)
+        if size in self.graphs:
+            self.graphs[size].replay()  # every kernel of the forward pass, one launch, on the buffers
+        else:
+            self.forward_static(size)
+        return self.buffers.hidden[: len(step.seq_lens)]
+
+    def forward_static(self, size: int) -> None:
+        """The forward pass on the first ``size`` rows of the static buffers, its output written into them.
+        Exactly what a graph captures: no new inputs, no host reads, no shape that depends on the data."""
+        buffers = self.buffers
+        hidden = self.model(buffers.input_ids[:size], buffers.positions[:size], self.kv_cache,
+                            buffers.metadata(size))  # [size, hidden]
+        buffers.hidden[:size].copy_(hidden)
+
+    def run_eager(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Any step, with tensors built for it: the path of prompt chunks, guesses, mixed steps and prompt scoring."""
+        query_lens = [end - start for start, end in pairwise(step.query_start_loc)]
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(step.slot_mapping, torch.int64),
+            query_start_loc=self._tensor(step.query_start_loc),
+            query_lens=self._tensor(query_lens),
+            seq_lens=self._tensor(step.seq_lens),
+            block_tables=self._tensor(step.block_tables),
+            max_query_len=max(query_lens),
+            logits_indices=self._tensor(step.logits_indices, torch.int64),
+        )
+        input_ids = self._tensor(step.input_ids, torch.int64)  # [T]
+        positions = self._tensor(step.positions, torch.int64)  # [T]
+        hidden = self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
+        logits = self.model.compute_logits(hidden[meta.logits_indices])  # [R, V] float32
+        prompt_logits = None
+        if step.prompt_logits_indices:
+            prompt_logits = self.model.compute_logits(hidden[self._tensor(step.prompt_logits_indices, torch.int64)])
+        return logits, prompt_logits
+
+    @torch.inference_mode()
+    def measure_cost(self, rows: list[int], guesses: int = 0) -> StepCost:
+        """The seconds of a step of r rows for each r of ``rows``, as ``execute`` runs it: decoding sequences with
+        ``COST_CONTEXT`` tokens in the cache, one row each, except that with ``guesses`` the first brings that many
+        guesses. One sequence with guesses changes the whole step's path: it runs eagerly (no replayed graph on
+        CUDA), and on a CPU its attention takes the extend path. Each further sequence with guesses adds what
+        ``measure_sequence_cost`` times."""
+        def run(num_rows: int) -> None:
+            first = min(num_rows, 1 + guesses)
+            step = dummy_step([first] + [1] * (num_rows - first), self.cost_context, self.kv_cache.num_blocks,
+                              self.block_size)
+            self.execute(step)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+
+        return measure_step_cost(run, rows, COST_REPEATS)
+
+    @torch.inference_mode()
+    def measure_sequence_cost(self, num_seqs: int, k: int, step_cost: StepCost) -> float:
+        """What each sequence with k guesses after the first adds to a step beyond the cost of its 1 + k rows
+        (``step_cost``, whose steps have one such sequence): a step of ``num_seqs`` of them, timed (best of
+        COST_REPEATS after an untimed run), less what ``step_cost`` gives for as many rows."""
+        step = dummy_step([1 + k] * num_seqs, self.cost_context, self.kv_cache.num_blocks, self.block_size)
+        seconds = measure_step_cost(lambda _: self.run_eager(step), [num_seqs], COST_REPEATS).seconds(num_seqs)
+        return max(0.0, seconds - step_cost.seconds(num_seqs * (1 + k))) / max(1, num_seqs - 1)
+
+    @property
+    def cost_context(self) -> int:
+        """The cached tokens of each sequence in the steps timed for the policy."""
+        return min(COST_CONTEXT, self.buffers.width * self.block_size - 1 - COST_ROWS_EACH)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket's decode step into a CUDA graph; keep the seconds it took and the bytes of
+        GPU memory it took (the graphs' shared pool: the activations of the largest bucket, mostly).
+
+        Largest first, all into one memory pool: the largest graph's activations size the pool and every
+        smaller one reuses them. Each bucket runs once eagerly before its capture, so that lazy work
+        (Triton's compilation, cuBLAS's workspace) happens outside the graph. The buffers hold padding
+        only (slot -1, context 0): capturing writes no K/V and reads none."""
+        assert self.device.type == "cuda" and use_triton(self.device), "CUDA graphs need CUDA and the Triton kernels"
+        start, free_before = time.perf_counter(), torch.cuda.mem_get_info(self.device)[0]
+        self.buffers.load(StepInput([], [], [], [0], [], [], [], [], []), self.sizes[-1])  # all padding
+        pool = None
+        for size in reversed(self.sizes):
+            self.forward_static(size)  # warm-up
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.forward_static(size)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - start
+        self.graph_memory_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
+
+
+# --- building a runner --------------------------------------------------------------------------------
+
+
+def start_runner(config: EngineConfig, model: LlamaForCausalLM, device: torch.device, max_num_batched_tokens: int,
+                 draft_bytes_per_block: int = 0) -> ModelRunner:
+    """The model runner with its KV-cache pool, warmed up, its graphs captured: what the engine builds once
+    the weights are loaded.
+
+    The pool comes after the weights, so that on CUDA it takes a share of what they left; and after one run
+    of the largest step, whose activations it must leave room for.
+
+    ``draft_bytes_per_block``: a draft model keeps its own K/V in a second pool of as many blocks, which the
+    budget pays for too.
+
+    Every rank runs this same function: the forward passes in it hold all-reduces and ``tp.min`` is one more
+    collective, so the ranks' start-up collectives line up one for one."""
+    max_model_len, dtype = model.config.max_position_embeddings, model.model.embed_tokens.weight.dtype
+    shape = model.config.cache_shape(config.block_size, dtype, model.tp.size)  # this rank's KV heads
+    if device.type == "cuda":  # what the largest step's activations take, before the pool takes the rest
+        run_dummy_step(model, KVCache.allocate(shape, shape.bytes_per_block, device), device,
+                       min(max_num_batched_tokens, max_model_len))
+    if device.type == "cpu":  # attention's gathers allocate tens of MB per layer and step: keep them
+        keep_freed_memory()
+    budget = budget_bytes(device, config.kv_cache_mb, config.gpu_memory_utilization)
+    num_blocks = budget // (shape.bytes_per_block + draft_bytes_per_block)
+    num_blocks = model.tp.min(num_blocks)  # one block table serves every rank: each must have every block
+    kv_cache = KVCache.allocate(shape, num_blocks * shape.bytes_per_block, device)
+    runner = ModelRunner(model, kv_cache, config.block_size, device, config.max_num_seqs, max_model_len)
+    # Warm up: compile every kernel now (a decode step and an extend step), not in a user's request.
+    for num_tokens in (1, 2):
+        run_dummy_step(model, kv_cache, device, num_tokens)
+    if device.type == "cuda" and use_triton(device) and not config.enforce_eager:
+        runner.capture()
+        log.info("captured the decode step for batch sizes %s in %.1f s (%.0f MiB)", runner.sizes,
+                 runner.capture_seconds, runner.graph_memory_bytes / 2**20)
+    if config.speculative != "off" and config.num_speculative_tokens > 0 and config.speculative_policy == "cost":
+        # What the policy weighs guesses against: steps of up to every sequence with all its guesses.
+        most = min(config.max_num_seqs * (1 + config.num_speculative_tokens), max_num_batched_tokens)
+        k = min(config.num_speculative_tokens, COST_ROWS_EACH - 1)
+        runner.decode_cost = decode = runner.measure_cost(cost_rows(most))
+        # A step with guesses costs a plain step of as many rows plus the price of leaving the fast path, the same at
+        # every size (measured at two, so that noise in one point cannot bend the line the policy extends).
+        shifted = runner.measure_cost([1 + k, max(1 + k, min(most, COST_ROWS[-2]))], guesses=k)
+        switch = max(0.0, statistics.median(seconds - decode.seconds(rows) for rows, seconds in shifted.points))
+        runner.step_cost = StepCost(tuple((rows, seconds + switch) for rows, seconds in decode.points))
+        runner.sequence_cost = runner.measure_sequence_cost(min(COST_GUESSING_SEQS, config.max_num_seqs), k,
+                                                            runner.step_cost)
+    return runner
+
+
+def cost_rows(most: int) -> list[int]:
+    """The batch sizes to time for steps of up to ``most`` rows: those of COST_ROWS below it, and ``most`` itself
+    unless it is past them (the cost goes on in a straight line there)."""
+    return sorted({rows for rows in COST_ROWS if rows < most} | {min(most, COST_ROWS[-1])})
+
+
+def dummy_step(rows: list[int], context: int, num_blocks: int, block_size: int) -> StepInput:
+    """A step of sequences with ``context`` tokens each in the cache and ``rows[i]`` new ones (1: a decode; 1 + k: a
+    verification, every row scored): it writes nothing (slot -1) and reads blocks 0, 1, 2... in turn (their contents
+    do not change the time)."""
+    width = (context + max(rows) - 1) // block_size + 1
+    tables = [[(s * width + j) % num_blocks for j in range(width)] for s in range(len(rows))]
+    starts = [0, *accumulate(rows)]
+    return StepInput(input_ids=[0] * starts[-1], positions=[context + i for n in rows for i in range(n)],
+                     slot_mapping=[-1] * starts[-1], query_start_loc=starts, seq_lens=[context + n for n in rows],
+                     block_tables=tables, logits_indices=list(range(starts[-1])), prompt_logits_indices=[],
+                     num_prompt_logits=[0] * len(rows))
+
+
+def run_dummy_step(model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device, num_tokens: int) -> None:
+    """One forward pass of ``num_tokens`` tokens of one sequence that writes nothing (slot -1) and reads
+    block 0 for every position: to compile the kernels, and to measure the activations' peak."""
+    inputs = StepInput(input_ids=[0] * num_tokens, positions=list(range(num_tokens)),
+                       slot_mapping=[-1] * num_tokens, query_start_loc=[0, num_tokens], seq_lens=[num_tokens],
+                       block_tables=[[0] * -(-num_tokens // kv_cache.shape.block_size)],
+                       logits_indices=[num_tokens - 1], prompt_logits_indices=[], num_prompt_logits=[0])
+    runner = ModelRunner(model, kv_cache, kv_cache.shape.block_size, device, 1, model.config.max_position_embeddings)
+    runner.execute(inputs)

@@ -1,0 +1,129 @@
+"""Routing by prefix: send a request to the replica whose prefix cache already holds its first blocks.
+
+Every replica keeps its own prefix cache (stage 05). Ray Serve's default router picks the less loaded of
+two replicas at random, so a system prompt shared by many requests ends up prefilled, and cached, on every
+replica: with R replicas, a hit rate near (R - 1) / R of what one server would get is lost to misses, and
+each replica's cache holds R times fewer distinct prefixes. This router remembers, for each chained block
+hash (the very digests stage 05's HashIndex computes), which replica it last sent that block to, and sends
+the next request with the same first blocks there.
+
+Affinity alone would pile every request of a popular prefix on one replica. The load guard keeps the
+choice honest: draw two other replicas at random (the power of two choices) and if the preferred one
+holds more than ``imbalance`` requests beyond the less loaded of the two, go there instead. That replica
+then holds the prefix too, and later requests spread over both.
+
+The gateway computes the hashes (it has the tokenizer) and passes them as the ``prefix_hashes`` keyword of
+the call; the router, which runs in the gateway's process inside Ray Serve, reads them from the pending
+request and ranks the replicas. Ray Serve does the rest: it asks the first-ranked replica whether it has
+room (``max_ongoing_requests``), tries the next rank if not, and queues the request when none has.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+DEFAULT_IMBALANCE = 16
+DEFAULT_CAPACITY = 100_000  # block hashes remembered (32 bytes each, with their owner: a few MB)
+
+
+class PrefixOwners:
+    """Which replica each block hash was last sent to, the least recently used forgotten first."""
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+        self.capacity = capacity
+        self._owner: OrderedDict[bytes, Hashable] = OrderedDict()
+
+    def longest_match(self, hashes: Sequence[bytes], among: Mapping[Hashable, Any]) -> tuple[Hashable | None, int]:
+        """The replica (one of ``among``) that was sent the longest run of the prompt's first blocks, and
+        how many blocks that run holds; (None, 0) if no replica was sent even the first one."""
+        owner, matched = None, 0
+        for depth, digest in enumerate(hashes, start=1):
+            # A chained hash names the whole prefix up to its block: a match at depth d is a match of all d.
+            replica = self._owner.get(digest)
+            if replica is None or replica not in among:
+                break
+            owner, matched = replica, depth
+        return owner, matched
+
+    def record(self, hashes: Sequence[bytes], replica: Hashable) -> None:
+        for digest in hashes:
+            self._owner[digest] = replica
+            self._owner.move_to_end(digest)
+        while len(self._owner) > self.capacity:
+            self._owner.popitem(last=False)
+
+    def forget(self, replica: Hashable) -> None:
+        """A replica is gone: its cache went with it."""
+        for digest in [d for d, owner in self._owner.items() if owner == replica]:
+            del self._owner[digest]
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+
+def prefer(hashes: Sequence[bytes], owners: PrefixOwners, loads: Mapping[Hashable, int], imbalance: int,
+           rng: random.Random) -> tuple[Hashable, str]:
+    """The replica to try first, and why: ``"prefix"`` (it holds the longest run of the prompt's first
+    blocks), ``"imbalance"`` (it does, but holds more than ``imbalance`` requests beyond the less loaded
+    of two others drawn at random, which gets the request), ``"no_match"`` (nobody holds the first block:
+    the less loaded of two at random, as Ray Serve's default router does).
+
+    ``loads``: every candidate replica and the requests it holds (running and queued)."""
+    assert loads, "no replica to choose from"
+    ### BEGIN SOLUTION 10.1
+    owner, _ = owners.longest_match(hashes, among=loads)
+    others = [replica for replica in loads if replica != owner]
+    if not others:  # the only replica
+        return owner, "prefix"
+    drawn = rng.sample(others, min(2, len(others)))
+    least = min(drawn, key=lambda replica: loads[replica])
+    if owner is None:
+        return least, "no_match"
+    if loads[owner] - loads[least] > imbalance:
+        return least, "imbalance"
+    return owner, "prefix"
+    ### END SOLUTION
+
+
+class PrefixAwareRouter(FIFOMixin, RequestRouter):
+    """A Ray Serve request router that ranks first the replica ``prefer`` picks, then every other one."""
+
+    def initialize_state(self, imbalance: int = DEFAULT_IMBALANCE, capacity: int = DEFAULT_CAPACITY,
+                         seed: int | None = None) -> None:
+        self.imbalance = imbalance
+        self.owners = PrefixOwners(capacity)
+        self.rng = random.Random(seed)
+        self.choices: dict[str, int] = {"prefix": 0, "imbalance": 0, "no_match": 0}
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        by_id = {replica.replica_id: replica for replica in candidate_replicas}
+        # What this router last heard of each replica's queue (it updates on every send and every probe).
+        loads = {rid: self.replica_queue_len_cache.get(rid) or 0 for rid in by_id}
+        first, why = prefer(prefix_hashes(pending_request), self.owners, loads, self.imbalance, self.rng)
+        self.choices[why] += 1
+        rest = sorted((r for rid, r in by_id.items() if rid != first), key=lambda r: loads[r.replica_id])
+        return [[by_id[first]], rest] if rest else [[by_id[first]]]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        """Wherever the request went (the first rank, or another when the first had no room), that replica
+        now holds its prefix."""
+        self.owners.record(prefix_hashes(pending_request), replica_id)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.owners.forget(replica_id)
+
+
+def prefix_hashes(pending_request: PendingRequest | None) -> list[bytes]:
+    """The block hashes the gateway passed with the call (none for a call that is not a generation)."""
+    if pending_request is None:
+        return []
+    return pending_request.kwargs.get("prefix_hashes") or []

@@ -1,0 +1,167 @@
+"""Proposers: cheap guesses of a sequence's next k tokens, for the model to check in one pass.
+
+A guess costs far less than a step of the model, and a wrong one costs only the row that checked it:
+verification (``speculative.py``) keeps exactly the tokens the model would have produced anyway. Two
+proposers, one interface (``propose(seqs, ks)``: up to ``ks[i]`` tokens for ``seqs[i]``):
+
+* **n-gram prompt lookup.** No model, no memory: the sequence's last n tokens occurred earlier in its
+  prompt or output? Guess that what followed them then follows them again. Strong when the answer
+  repeats the prompt (fix one line of this code, edit this list), useless on open chat.
+* **A draft model.** A smaller model with the same tokenizer runs k decode steps of its own, over its
+  own paged KV cache. With no ``--draft-model``, the draft is the target's first layers with its final
+  norm and head (a *layer-skip* draft: nothing more to ship or to load). Its cache is a second tensor
+  with the target's number of blocks, addressed through the *same* block tables: a block a sequence
+  holds holds both models' K/V for the same positions, so allocation, freeing, preemption and the
+  prefix cache need no second bookkeeping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .block_manager import token_slots
+from .kv_cache import KVCache
+from .model import LlamaForCausalLM
+from .model_runner import ModelRunner, StepInput
+from .sampler import apply_penalties, logits_to_probs
+from .sequence import Sequence
+from .speculative import Proposal, draw
+
+# --- n-gram prompt lookup ---------------------------------------------------------------------------------
+
+
+def ngram_propose(token_ids: list[int], k: int, n_max: int = 4, n_min: int = 2) -> list[int]:
+    """Find the most recent earlier occurrence of the last n tokens (n from ``n_max`` down to ``n_min``) and
+    propose the (up to) ``k`` tokens that followed it; [] when no suffix of ``n_min`` tokens or more recurs."""
+    length = len(token_ids)
+    ### BEGIN SOLUTION 8.1
+    for n in range(min(n_max, length - 1), n_min - 1, -1):  # the longest match is the likeliest to go on
+        suffix = token_ids[length - n :]
+        for start in range(length - n - 1, -1, -1):  # backwards: the most recent occurrence first
+            if token_ids[start : start + n] == suffix:
+                return token_ids[start + n : start + n + k]
+    return []
+    ### END SOLUTION
+
+
+class NgramProposer:
+    def __init__(self, n_max: int = 4, n_min: int = 2) -> None:
+        assert 1 <= n_min <= n_max
+        self.n_max, self.n_min = n_max, n_min
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        return [Proposal(ngram_propose(seq.token_ids, k, self.n_max, self.n_min)) for seq, k in zip(seqs, ks,
+                                                                                                      strict=True)]
+
+
+# --- a draft model ------------------------------------------------------------------------------------------
+
+
+def layer_skip_draft(target: LlamaForCausalLM, num_layers: int) -> LlamaForCausalLM:
+    """The target's first ``num_layers`` layers, then its final norm and head: a draft that shares every weight."""
+    assert 1 <= num_layers <= target.config.num_layers, f"a draft of {num_layers} of {target.config.num_layers} layers"
+    with torch.device("meta"):  # the modules are replaced by the target's own just below
+        draft = LlamaForCausalLM(replace(target.config, num_layers=num_layers))
+    draft.model.embed_tokens = target.model.embed_tokens
+    draft.model.layers = nn.ModuleList(target.model.layers[:num_layers])
+    draft.model.norm = target.model.norm
+    draft.model.rotary_emb = target.model.rotary_emb
+    draft.lm_head = target.lm_head
+    return draft
+
+
+def load_draft(path: str, target: LlamaForCausalLM, target_vocab: dict[str, int], dtype: torch.dtype,
+               device: torch.device) -> LlamaForCausalLM:
+    """A separate draft model from a local Hugging Face folder; its tokenizer must be the target's."""
+    from transformers import AutoTokenizer
+
+    if AutoTokenizer.from_pretrained(path, local_files_only=True).get_vocab() != target_vocab:
+        raise ValueError(f"--draft-model {path} has another tokenizer than the model: its guesses would be "
+                         "other tokens")
+    draft = LlamaForCausalLM.from_pretrained(Path(path), dtype=dtype, device=device)
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"--draft-model {path} has {draft.config.vocab_size} logits per row, the model "
+                         f"{target.config.vocab_size}")
+    return draft
+
+
+class DraftProposer:
+    """k decode steps of a draft model, batched over the sequences that guess.
+
+    Each sequence counts the tokens whose K/V are in the draft's cache (``num_draft_computed_tokens``). Before
+    guessing, the draft *catches up* on the rest: the last token, the token before it after a fully accepted
+    run, or the whole prompt the first time (``max_catch_up`` tokens a step in all: a sequence further behind
+    guesses nothing until it has caught up). Its guesses' K/V are written past the accepted tokens
+    and simply overwritten later, as the target's are."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int,
+                 device: torch.device, max_num_seqs: int, max_model_len: int, max_catch_up: int) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.runner = ModelRunner(model, kv_cache, block_size, device, max_num_seqs, max_model_len)
+        self.max_catch_up = max_catch_up
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        proposals = [Proposal([]) for _ in seqs]
+        # First pass: every sequence's catch-up tokens, within max_catch_up in all; those that are caught up get
+        # their first guess from its logits.
+        rows, catching_up, room = [], [], self.max_catch_up
+        for i, seq in enumerate(seqs):
+            start = seq.num_draft_computed_tokens
+            end = min(seq.num_tokens, start + room)
+            if end > start:
+                rows.append((seq, seq.token_ids[start:end], start))
+                catching_up.append(i)
+                seq.num_draft_computed_tokens = end
+                room -= end - start
+        if not rows:
+            return proposals
+        logits = self.runner.execute(self._step(rows))[0]  # [len(rows), V]: each sequence's last row
+        caught_up = [row for row, i in enumerate(catching_up)
+                     if seqs[i].num_draft_computed_tokens == seqs[i].num_tokens]
+        guessing, logits = [catching_up[row] for row in caught_up], logits[caught_up]
+        # Then one decode step per further guess, over the sequences that still want one.
+        while guessing:
+            for row, i in enumerate(guessing):
+                self._guess(seqs[i], proposals[i], logits[row])
+            guessing = [i for i in guessing if len(proposals[i].token_ids) < ks[i]]
+            if guessing:
+                rows = [(seqs[i], proposals[i].token_ids[-1:], seqs[i].num_tokens + len(proposals[i].token_ids) - 1)
+                        for i in guessing]
+                for i in guessing:
+                    seqs[i].num_draft_computed_tokens += 1  # its newest guess, now in the draft's cache
+                logits = self.runner.execute(self._step(rows))[0]
+        return proposals
+
+    def _guess(self, seq: Sequence, proposal: Proposal, logits: torch.Tensor) -> None:
+        """One more guess from the draft's logits [V], processed exactly as the model's will be (penalties see the
+        guesses so far); a sampling request draws it from q and keeps q for the acceptance test."""
+        logits = apply_penalties(logits[None], [seq.params], [seq.output_ids + proposal.token_ids])  # [1, V]
+        if seq.params.greedy:
+            proposal.token_ids.append(int(torch.argmax(logits)))
+            return
+        q = logits_to_probs(logits, [seq.params])  # [1, V]
+        proposal.token_ids.append(draw(q[0], seq.generator))
+        proposal.probs = q if proposal.probs is None else torch.cat([proposal.probs, q])
+
+    def _step(self, rows: list[tuple[Sequence, list[int], int]]) -> StepInput:
+        """A draft step: for each (sequence, tokens, first position), those tokens through the sequence's own
+        block table into the draft's cache, and the logits of its last row."""
+        step = StepInput([], [], [], [0], [], [], [], [], [])
+        for seq, tokens, start in rows:
+            end = start + len(tokens)
+            step.input_ids += tokens
+            step.positions += range(start, end)
+            step.slot_mapping += token_slots(seq.block_table, self.block_size, start, end)
+            step.query_start_loc.append(step.query_start_loc[-1] + len(tokens))
+            step.seq_lens.append(end)
+            step.logits_indices.append(step.query_start_loc[-1] - 1)
+            step.num_prompt_logits.append(0)
+        width = max(len(seq.block_table) for seq, _, _ in rows)
+        step.block_tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _, _ in rows]
+        return step

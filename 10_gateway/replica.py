@@ -1,0 +1,136 @@
+"""A replica: one stage 09 server, whole, inside a Ray Serve replica.
+
+The replica builds the engine and the OpenAI app exactly as ``python -m 09_tensor_parallel`` does, and the
+gateway calls that app in-process, over ASGI: the request's method, path and body go in, the response
+comes back as it is sent (its status and headers, then each piece of its body). So every check, every
+error object and every stream is stage 09's own, and a client that leaves the gateway leaves the app as
+well (its stream is cancelled, the engine drops the request and frees its blocks).
+
+It also tells Ray Serve what only it knows: how many requests wait in its scheduler (for the autoscaler,
+``record_autoscaling_stats``) and its load (for the router, ``record_routing_stats``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import suppress
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from fastapi import FastAPI
+from starlette.types import Message
+
+from .async_engine import AsyncEngine
+from .config import EngineConfig
+from .engine import Engine
+from .server import create_app
+
+
+@dataclass(frozen=True)
+class ResponseStart:
+    """The first thing a replica's answer carries: the HTTP status and the headers of the stage 09 app."""
+
+    status: int
+    headers: list[tuple[str, str]]
+    replica: str  # which replica answered (the gateway passes it on as the x-replica header)
+
+
+class ModelReplica:
+    """A stage 09 engine and its app. ``fleet.py`` makes it a Ray Serve deployment; a test can build one bare."""
+
+    def __init__(self, config: EngineConfig, served_name: str, threads: int = 1, replica: str = "") -> None:
+        torch.set_num_threads(threads)  # Ray reserved these cores for this process
+        self.replica = replica or replica_id()
+        self.served_name = served_name
+        self.engine = AsyncEngine(Engine(config))
+        self.app: FastAPI = create_app(self.engine, served_name)
+        self.engine.start()  # (the app's lifespan would start it; called over ASGI, the app has none)
+
+    async def handle(self, method: str, path: str, body: bytes,
+                     prefix_hashes: list[bytes] | None = None) -> AsyncIterator[ResponseStart | bytes]:
+        """Call the app; yield its response start, then each piece of its body as it is sent.
+
+        ``prefix_hashes`` is for the router (it reads them from the call); the app hashes blocks itself."""
+        async for message in call_app(self.app, method, path, body):
+            if message["type"] == "http.response.start":
+                headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in message.get("headers", [])]
+                yield ResponseStart(message["status"], headers, self.replica)
+            elif message.get("body"):
+                yield message["body"]
+
+    def describe(self) -> dict[str, Any]:
+        """What the gateway needs to know of the model: its name, context length and KV block size."""
+        return {"model": self.served_name, "max_model_len": self.engine.max_model_len,
+                "block_size": self.engine.stats().kv_blocks.block_size}
+
+    def health(self) -> dict[str, Any]:
+        stats = self.engine.stats()
+        return {"replica": self.replica, "alive": self.engine.alive, **asdict(stats),
+                "prefix_cache_hit_rate": stats.prefix_cache.hit_rate}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        stats = self.engine.stats()
+        return {"waiting": float(stats.waiting), "running": float(stats.running)}
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        stats = self.engine.stats()
+        return {"waiting": stats.waiting, "running": stats.running, "hit_rate": stats.prefix_cache.hit_rate}
+
+    def check_health(self) -> None:
+        """Ray Serve's health check: a replica whose engine stopped is replaced."""
+        if not self.engine.alive:
+            raise RuntimeError("the engine has stopped")
+
+    def __del__(self) -> None:
+        if hasattr(self, "engine"):
+            self.engine.stop()
+
+
+def replica_id() -> str:
+    """This replica's id inside Ray Serve ("" outside it, in a test that builds a replica bare)."""
+    from ray import serve
+
+    with suppress(Exception):  # RayServeException: not inside a replica
+        return serve.get_replica_context().replica_id.unique_id
+    return ""
+
+
+async def call_app(app: FastAPI, method: str, path: str, body: bytes) -> AsyncIterator[Message]:
+    """Call an ASGI app with one request; yield the messages it sends, until its body ends.
+
+    When the caller stops early (the client left the gateway), the app's next ``receive`` says
+    ``http.disconnect`` and its task is cancelled, as a server does when a connection closes."""
+    sent: asyncio.Queue[Message | None] = asyncio.Queue()
+    gone = asyncio.Event()
+    delivered = False
+
+    async def receive() -> Message:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        await sent.put(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+             "client": ("gateway", 0), "server": ("replica", 0)}
+    task = asyncio.create_task(app(scope, receive, send))
+    task.add_done_callback(lambda _: sent.put_nowait(None))  # the app returned (or failed): no more messages
+    try:
+        while (message := await sent.get()) is not None:
+            yield message
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                return
+    finally:
+        gone.set()
+        if not task.done():
+            task.cancel()
+        with suppress(asyncio.CancelledError):
+            await task
