@@ -20,6 +20,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 
+import common
 from common.cli import served_name
 
 from .autoscaling import QueueDepthPolicy
@@ -30,7 +31,9 @@ from .prefix_router import PrefixAwareRouter
 from .replica import ModelReplica
 from .routing import DifficultyRule, Size
 
-REPO = Path(__file__).resolve().parent.parent  # the replicas' processes import the stages from here
+# Where the replicas' processes import this stage and `common` from (two places in a homework copy).
+IMPORT_PATHS = os.pathsep.join(dict.fromkeys(str(Path(module).resolve().parent.parent)
+                                             for module in (__file__, common.__file__)))
 APP_NAME = "gateway"
 POW2_ROUTER = "ray.serve._private.request_router.pow_2_router:PowerOfTwoChoicesRequestRouter"  # Serve's default
 
@@ -76,7 +79,8 @@ def model_deployment(spec: ModelSpec, fleet: GatewayConfig) -> Application:
         max_queued_requests=fleet.max_queued_requests,
         ray_actor_options={"num_cpus": fleet.replica_cpus, "num_gpus": fleet.replica_gpus},
         autoscaling_config=autoscaling, request_router_config=router,
-        health_check_period_s=2.0, health_check_timeout_s=30.0, graceful_shutdown_timeout_s=5.0,
+        # A replica being removed takes no new request and has this long to finish its streams (long, on a CPU).
+        health_check_period_s=2.0, health_check_timeout_s=30.0, graceful_shutdown_timeout_s=120.0,
     ).bind(spec.engine, spec.name, threads)
 
 
@@ -104,7 +108,7 @@ def start(specs: list[ModelSpec], fleet: GatewayConfig, host: str = "127.0.0.1",
         num_cpus = max(os.cpu_count() or 1, math.ceil(cpus_needed(specs, fleet))) if local else None
         # address "local": a Ray instance of this process's own, never one that another program started here.
         ray.init(address="local" if local else None, num_cpus=num_cpus, include_dashboard=False,
-                 log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+                 log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": IMPORT_PATHS}})
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_app(specs, fleet), name=APP_NAME, route_prefix="/")
     return f"http://{host}:{port}"

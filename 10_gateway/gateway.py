@@ -19,11 +19,13 @@ clients an error event; the gateway keeps serving through the others.
 # No `from __future__ import annotations` here: Ray Serve's ingress rebuilds the routes' signatures, and FastAPI
 # must see their types as types, not strings, to know a body from a query parameter.
 import asyncio
+import functools
 import itertools
 import json
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -31,6 +33,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from starlette.types import Receive, Scope, Send
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from common.errors import add_error_handlers
@@ -52,6 +55,7 @@ from .replica import ResponseStart
 from .routing import DifficultyRule, Size, choose_size
 from .server import GENERATION_RESPONSES, sse_event
 
+log = logging.getLogger("llm-course")
 AUTO = "auto"  # the model name that lets the gateway choose
 RETRY_AFTER_S = 1
 # Ray Serve's proxy sends the gateway no more than this many requests at once; past it they wait in the proxy.
@@ -84,6 +88,30 @@ class GatewayMetrics:
                               registry=r)
 
 
+async def prepend(first: bytes, rest: AsyncGenerator[bytes, None]) -> AsyncIterator[bytes]:
+    """``first``, then ``rest``; closing this closes ``rest`` (the client left: the relay cancels the call).
+
+    (Defined before the deployment: Ray Serve serializes the class when it is decorated, with the names it
+    uses that exist then.)"""
+    try:
+        yield first
+        async for piece in rest:
+            yield piece
+    finally:
+        await rest.aclose()
+
+
+class RelayResponse(StreamingResponse):
+    """A stream that closes its body iterator however it ends. (When a client leaves while a piece is being
+    sent, Starlette stops reading the iterator but leaves it open; closed, the relay cancels the replica's call.)"""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
 app = FastAPI(title=TITLE)
 add_error_handlers(app)
 add_limits(app, Limits(max_requests=GATEWAY_MAX_ONGOING))
@@ -106,6 +134,7 @@ class Gateway:
         for name in self.models:
             self.metrics.in_flight.labels(name).set_function(lambda name=name: self.in_flight[name])
         self.context_lengths: dict[str, int] = {}
+        self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     # --- the OpenAI routes --------------------------------------------------------------------
     @app.post("/v1/completions", responses=GENERATION_RESPONSES)
@@ -138,12 +167,13 @@ class Gateway:
 
     @app.get("/health")
     async def health(self) -> JSONResponse:
+        """200 while every model has a running replica (503 otherwise: a load balancer sends elsewhere)."""
         replicas = await self.replica_states()
-        body = {"status": "ok", "models": {
-            name: {"size": model.size, "replicas": replicas.get(model.name, {}),
-                   "in_flight": self.in_flight[name]}
-            for name, model in self.models.items()}}
-        return JSONResponse(body)
+        models = {name: {"size": model.size, "replicas": replicas.get(name, {}), "in_flight": self.in_flight[name]}
+                  for name, model in self.models.items()}
+        down = [name for name, state in models.items() if not state["replicas"].get("RUNNING")]
+        status = f"no running replica of {', '.join(down)}" if down else "ok"
+        return JSONResponse({"status": status, "models": models}, status_code=503 if down else 200)
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
@@ -153,51 +183,76 @@ class Gateway:
         return Response(generate_latest(self.metrics.registry), media_type="text/plain; version=0.0.4")
 
     # --- routing and relaying -----------------------------------------------------------------
-    def pick(self, req: SamplingRequest, text: str, tokens: Any, max_tokens: int | None) -> tuple[ServedModel, str]:
+    def pick(self, req: SamplingRequest, text: str, tokens: Callable[[str], list[int]],
+             max_tokens: int | None) -> tuple[ServedModel, str]:
         """The model a request goes to, and the reason (the counter's label)."""
         if req.model is None:
             return self.default, "default"
         if req.model in self.models:
             return self.models[req.model], "named"
-        if req.model == AUTO:
-            route = choose_size(len(tokens(self.tokenizers[self.default.name])), max_tokens, text, self.rule)
-            return self.by_size.get(route.size, self.default), route.reason
+        if req.model == AUTO:  # the prompt's length in the default model's tokens decides
+            route = choose_size(len(tokens(self.default.name)), max_tokens, text, self.rule)
+            if route.size not in self.by_size:  # one model behind the gateway: it takes everything
+                return self.default, "only_model"
+            return self.by_size[route.size], route.reason
         served = ", ".join(repr(name) for name in [*self.models, AUTO])
         raise APIError(f"model {req.model!r} does not exist; this gateway serves {served}", param="model",
                        code="model_not_found")
 
-    async def forward(self, raw: Request, req: SamplingRequest, text: str, tokens: Any,
-                      max_tokens: int | None) -> Response:
+    def route(self, req: SamplingRequest, text: str, encode: Callable[[PreTrainedTokenizerBase], list[int]],
+              max_tokens: int | None) -> tuple[ServedModel, str, list[bytes]]:
+        """The model, the reason, and the hashes of the prompt's first blocks in that model's tokens.
+
+        ``encode(tokenizer)``: the prompt's token ids as that model's replica will see them."""
+
+        @functools.cache
+        def tokens(name: str) -> list[int]:  # once per model at most (the rule and the hashes may use the same)
+            return encode(self.tokenizers[name])
+
         model, reason = self.pick(req, text, tokens, max_tokens)
-        ids = tokens(self.tokenizers[model.name])
-        hashes = list(itertools.islice(self.index.hashes(ids), ROUTING_BLOCKS))
+        return model, reason, list(itertools.islice(self.index.hashes(tokens(model.name)), ROUTING_BLOCKS))
+
+    async def forward(self, raw: Request, req: SamplingRequest, text: str,
+                      encode: Callable[[PreTrainedTokenizerBase], list[int]], max_tokens: int | None) -> Response:
+        """Route the request, call a replica and relay its answer."""
+        # Tokenizing takes a millisecond or more, and this loop relays every other stream: on a thread of its own
+        # (one: a Hugging Face tokenizer must not be called from two threads at once).
+        model, reason, hashes = await asyncio.get_running_loop().run_in_executor(
+            self.tokenizing, self.route, req, text, encode, max_tokens)
         body = await raw.json()
         body["model"] = model.name  # the replica's app checks the name it serves ("auto" is the gateway's)
         self.metrics.routed.labels(model.name, reason).inc()
         self.in_flight[model.name] += 1
-        call: DeploymentResponseGenerator = model.handle.options(stream=True).handle.remote(
-            "POST", raw.url.path, json.dumps(body).encode(), prefix_hashes=hashes)
-        relayed = False  # from here on, the relay owns the call (and ends it)
+        call: DeploymentResponseGenerator | None = None
+        events: AsyncGenerator[bytes, None] | None = None  # a stream's relay, once started: it then ends the call
         try:
+            call = model.handle.options(stream=True).handle.remote(
+                "POST", raw.url.path, json.dumps(body).encode(), prefix_hashes=hashes)
             start: ResponseStart = await anext(call)  # waits for a replica, then for the app's first message
             headers = {k: v for k, v in start.headers if k.lower() != "content-length"}
             headers |= {"x-model": model.name, "x-replica": start.replica, "x-route": reason}
-            streaming = headers.get("content-type", "").startswith("text/event-stream")
-            response = StreamingResponse(self.relay(call, model.name, streaming), status_code=start.status,
-                                         headers=headers)
-            relayed = True
-            return response
+            if not headers.get("content-type", "").startswith("text/event-stream"):
+                # A whole answer: read all of it here, so that a replica failing halfway gives a clean 503.
+                body = b"".join([piece async for piece in call])
+                return Response(body, status_code=start.status, headers=headers)
+            events = self.relay(call, model.name)
+            first = await anext(events)  # started, its `finally` runs even if the client leaves before reading
+            return RelayResponse(prepend(first, events), status_code=start.status, headers=headers)
+        except asyncio.CancelledError:  # the client left while its call waited: the replica's app must see it go
+            if call is not None:
+                call.cancel()  # (only here: cancelling a call that ended with an error raises that error again)
+            raise
         except BackPressureError:
             return self.refuse(model, "overloaded", f"every replica of {model.name!r} is busy and its queue at the "
                                f"gateway is full; retry after {RETRY_AFTER_S} s")
         except StopAsyncIteration:  # the replica ended the call without an answer
             return self.refuse(model, "replica_failed", f"a replica of {model.name!r} gave no answer; retry")
         except Exception as exc:  # the replica died, or its actor is unreachable
+            log.warning("a call to %s failed: %r", model.name, exc)
             return self.refuse(model, "replica_failed", f"a replica of {model.name!r} failed: {type(exc).__name__}; "
                                "retry")
         finally:
-            if not relayed:
-                call.cancel()
+            if events is None:
                 self.in_flight[model.name] -= 1
 
     def refuse(self, model: ServedModel, why: str, message: str) -> JSONResponse:
@@ -206,24 +261,22 @@ class Gateway:
         return JSONResponse(APIError(message, 503, code=why).body(), status_code=503,
                             headers={"Retry-After": str(RETRY_AFTER_S)})
 
-    async def relay(self, call: DeploymentResponseGenerator, model: str, streaming: bool) -> AsyncIterator[bytes]:
-        """The rest of the replica's answer, piece by piece. If the client leaves, Starlette cancels this
-        generator and the ``finally`` cancels the call: the replica's app sees the client go, as in stage 09."""
-        finished = False
+    async def relay(self, call: DeploymentResponseGenerator, model: str) -> AsyncGenerator[bytes, None]:
+        """The rest of the replica's stream, event by event. If the client leaves, this generator is closed and
+        its ``finally`` cancels the call: the replica's app sees the client go, as in stage 09."""
         try:
             async for piece in call:
                 yield piece
-            finished = True
         except Exception as exc:  # the replica died mid-answer: the headers are sent, the error goes in the stream
             self.metrics.refused.labels(model, "replica_failed").inc()
             error = APIError(f"the replica failed mid-answer: {type(exc).__name__}; retry", 503, code="replica_failed")
-            if streaming:
-                yield sse_event(error.body()).encode()
-                yield b"data: [DONE]\n\n"
+            yield sse_event(error.body()).encode()
+            yield b"data: [DONE]\n\n"
+        except BaseException:  # closed or cancelled mid-stream: the client left, and the replica must stop too
+            call.cancel()
+            raise
         finally:
             self.in_flight[model] -= 1
-            if not finished:
-                call.cancel()
 
     async def replica_states(self) -> dict[str, dict[str, int]]:
         """Each model's replicas by state (RUNNING, STARTING, STOPPING...), from Ray Serve's controller."""

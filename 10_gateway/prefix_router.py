@@ -2,10 +2,11 @@
 
 Every replica keeps its own prefix cache (stage 05). Ray Serve's default router picks the less loaded of
 two replicas at random, so a system prompt shared by many requests ends up prefilled, and cached, on every
-replica: with R replicas, a hit rate near (R - 1) / R of what one server would get is lost to misses, and
-each replica's cache holds R times fewer distinct prefixes. This router remembers, for each chained block
-hash (the very digests stage 05's HashIndex computes), which replica it last sent that block to, and sends
-the next request with the same first blocks there.
+replica: each replica misses it once, and together the R caches hold no more distinct prefixes than one of
+them, since each holds the same popular ones. Once the prefixes outnumber what a cache holds, the misses
+never stop. This router remembers, for each chained block hash (the very digests stage 05's HashIndex
+computes), which replica it last sent that block to, and sends the next request with the same first
+blocks there, so that each prefix lives on one replica and the fleet's caches add up.
 
 Affinity alone would pile every request of a popular prefix on one replica. The load guard keeps the
 choice honest: draw two other replicas at random (the power of two choices) and if the preferred one
@@ -29,6 +30,9 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, Reque
 
 DEFAULT_IMBALANCE = 16
 DEFAULT_CAPACITY = 100_000  # block hashes remembered (32 bytes each, with their owner: a few MB)
+# A shorter match is not worth a replica's load: a chat template's own opening (SmolLM2's adds a default system
+# prompt of about 20 tokens to every chat without one) would otherwise herd every plain chat onto one replica.
+MIN_MATCH_BLOCKS = 4
 
 
 class PrefixOwners:
@@ -40,15 +44,14 @@ class PrefixOwners:
 
     def longest_match(self, hashes: Sequence[bytes], among: Mapping[Hashable, Any]) -> tuple[Hashable | None, int]:
         """The replica (one of ``among``) that was sent the longest run of the prompt's first blocks, and
-        how many blocks that run holds; (None, 0) if no replica was sent even the first one."""
-        owner, matched = None, 0
-        for depth, digest in enumerate(hashes, start=1):
-            # A chained hash names the whole prefix up to its block: a match at depth d is a match of all d.
-            replica = self._owner.get(digest)
-            if replica is None or replica not in among:
-                break
-            owner, matched = replica, depth
-        return owner, matched
+        how many blocks that run holds; (None, 0) if none of them was sent even the first one."""
+        # A chained hash names the whole prefix up to its block: a match at depth d is a match of all d, so the
+        # deepest hash whose replica is still a candidate wins (a shallower one may name a replica since gone).
+        for depth in range(len(hashes), 0, -1):
+            replica = self._owner.get(hashes[depth - 1])
+            if replica is not None and replica in among:
+                return replica, depth
+        return None, 0
 
     def record(self, hashes: Sequence[bytes], replica: Hashable) -> None:
         for digest in hashes:
@@ -67,16 +70,19 @@ class PrefixOwners:
 
 
 def prefer(hashes: Sequence[bytes], owners: PrefixOwners, loads: Mapping[Hashable, int], imbalance: int,
-           rng: random.Random) -> tuple[Hashable, str]:
+           rng: random.Random, min_blocks: int = MIN_MATCH_BLOCKS) -> tuple[Hashable, str]:
     """The replica to try first, and why: ``"prefix"`` (it holds the longest run of the prompt's first
-    blocks), ``"imbalance"`` (it does, but holds more than ``imbalance`` requests beyond the less loaded
-    of two others drawn at random, which gets the request), ``"no_match"`` (nobody holds the first block:
-    the less loaded of two at random, as Ray Serve's default router does).
+    blocks, at least ``min_blocks`` of them), ``"imbalance"`` (it does, but holds more than ``imbalance``
+    requests beyond the less loaded of two others drawn at random, which gets the request), ``"no_match"``
+    (no replica holds ``min_blocks`` of them: the less loaded of two at random, as Ray Serve's default
+    router does).
 
     ``loads``: every candidate replica and the requests it holds (running and queued)."""
     assert loads, "no replica to choose from"
     ### BEGIN SOLUTION 10.1
-    owner, _ = owners.longest_match(hashes, among=loads)
+    owner, matched = owners.longest_match(hashes, among=loads)
+    if matched < min_blocks:
+        owner = None
     others = [replica for replica in loads if replica != owner]
     if not others:  # the only replica
         return owner, "prefix"
@@ -98,7 +104,6 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         self.imbalance = imbalance
         self.owners = PrefixOwners(capacity)
         self.rng = random.Random(seed)
-        self.choices: dict[str, int] = {"prefix": 0, "imbalance": 0, "no_match": 0}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -107,8 +112,7 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         by_id = {replica.replica_id: replica for replica in candidate_replicas}
         # What this router last heard of each replica's queue (it updates on every send and every probe).
         loads = {rid: self.replica_queue_len_cache.get(rid) or 0 for rid in by_id}
-        first, why = prefer(prefix_hashes(pending_request), self.owners, loads, self.imbalance, self.rng)
-        self.choices[why] += 1
+        first, _ = prefer(prefix_hashes(pending_request), self.owners, loads, self.imbalance, self.rng)
         rest = sorted((r for rid, r in by_id.items() if rid != first), key=lambda r: loads[r.replica_id])
         return [[by_id[first]], rest] if rest else [[by_id[first]]]
 

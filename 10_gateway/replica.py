@@ -6,13 +6,14 @@ comes back as it is sent (its status and headers, then each piece of its body). 
 error object and every stream is stage 09's own, and a client that leaves the gateway leaves the app as
 well (its stream is cancelled, the engine drops the request and frees its blocks).
 
-It also tells Ray Serve what only it knows: how many requests wait in its scheduler (for the autoscaler,
-``record_autoscaling_stats``) and its load (for the router, ``record_routing_stats``).
+It also tells Ray Serve what only it knows: how many requests wait in its scheduler and how many it is
+generating for (``record_autoscaling_stats``, which the autoscaling policy reads).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import suppress
 from dataclasses import asdict, dataclass
@@ -26,6 +27,8 @@ from .async_engine import AsyncEngine
 from .config import EngineConfig
 from .engine import Engine
 from .server import create_app
+
+log = logging.getLogger("llm-course")
 
 
 @dataclass(frozen=True)
@@ -73,10 +76,6 @@ class ModelReplica:
     def record_autoscaling_stats(self) -> dict[str, float]:
         stats = self.engine.stats()
         return {"waiting": float(stats.waiting), "running": float(stats.running)}
-
-    def record_routing_stats(self) -> dict[str, Any]:
-        stats = self.engine.stats()
-        return {"waiting": stats.waiting, "running": stats.running, "hit_rate": stats.prefix_cache.hit_rate}
 
     def check_health(self) -> None:
         """Ray Serve's health check: a replica whose engine stopped is replaced."""
@@ -130,7 +129,7 @@ async def call_app(app: FastAPI, method: str, path: str, body: bytes) -> AsyncIt
                 return
     finally:
         gone.set()
-        if not task.done():
-            task.cancel()
-        with suppress(asyncio.CancelledError):
-            await task
+        task.cancel()  # (nothing, if it has returned)
+        await asyncio.wait({task})
+        if not task.cancelled() and task.exception() is not None:  # its 500 is sent: the error is for the log
+            log.error("the app failed: %r", task.exception())
