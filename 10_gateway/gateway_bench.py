@@ -95,15 +95,21 @@ DESKS = ["kitchen appliances", "garden tools", "small electronics", "business cu
 
 @dataclass(frozen=True)
 class RoutersLoad:
-    """At least as many system prompts as clients: a prompt's next question is sent after its first one has
+    """The regime where a router matters: more system prompts than one replica's cache holds beside its running
+    sequences, but no more than the two caches hold together (a pool of ``kv_cache_mb`` per replica, about 3,500
+    tokens: some 10 prompts of 350 tokens). With fewer prompts, every cache holds them all and Ray Serve's router
+    only pays one miss per prompt and replica; with many more, both routers miss.
+
+    At least as many system prompts as clients: a prompt's next question is sent after its first one has
     been answered, when a replica holds the prompt in its cache. (Questions after one prompt that nobody has
     cached, sent at once, all miss whatever the router: that first wave measures no router.)"""
 
     system_prompts: int = 16  # distinct system prompts, one per desk
     system_tokens: int = 350  # about this long each
-    questions: int = 8  # per system prompt
-    clients: int = 16  # requests in flight at once
+    questions: int = 6  # per system prompt
+    clients: int = 8  # requests in flight at once
     max_tokens: int = 16
+    kv_cache_mb: int = 160  # each replica's pool: 45 KiB per token of SmolLM2-135M in float32
 
 
 @dataclass(frozen=True)
@@ -135,7 +141,7 @@ class HopLoad:
 
 
 FULL = {"routers": RoutersLoad(), "autoscale": AutoscaleLoad(), "streams": StreamsLoad(), "hop": HopLoad()}
-QUICK = {"routers": RoutersLoad(system_prompts=8, questions=3, clients=8, max_tokens=8),
+QUICK = {"routers": RoutersLoad(system_prompts=8, questions=3, clients=4, max_tokens=8, kv_cache_mb=96),
          "autoscale": AutoscaleLoad(load_s=35.0, max_tokens=16, settle_s=30.0),
          "streams": StreamsLoad(clients=200, chats=4, chat_tokens=16, lead_in_s=8.0, burst=3, burst_tokens=(600, 700)),
          "hop": HopLoad(requests=6, max_tokens=8, rounds=2)}
@@ -328,13 +334,13 @@ def fleet_running(specs: list[ModelSpec], fleet: GatewayConfig) -> Iterator[str]
         stop()
 
 
-def configs(args: argparse.Namespace, **fleet: Any) -> tuple[EngineConfig, GatewayConfig]:
-    """The replicas' engine (stage 09's defaults, but no speculative decoding: a shorter start-up) and the fleet
-    (``fleet``: GatewayConfig's fields). Every part runs at most 2 engines at once: on a GPU, they share it,
-    each with half of it for Ray and half of its share of free memory for its KV cache."""
+def configs(args: argparse.Namespace, kv_cache_mb: int = 0, **fleet: Any) -> tuple[EngineConfig, GatewayConfig]:
+    """The replicas' engine (stage 09's defaults, but no speculative decoding: a shorter start-up; ``kv_cache_mb``
+    its pool, 0 the default) and the fleet (``fleet``: GatewayConfig's fields). Every part runs at most 2 engines
+    at once: on a GPU, they share it, each with half of it for Ray and half of its share of free memory."""
     cuda = args.device == "cuda"
     engine = EngineConfig(model=str(resolve_model(args.model)), device=args.device, dtype=args.dtype,
-                          speculative="off", gpu_memory_utilization=0.45 if cuda else 0.9)
+                          speculative="off", gpu_memory_utilization=0.45 if cuda else 0.9, kv_cache_mb=kv_cache_mb)
     return engine, GatewayConfig(replica_gpus=0.5 if cuda else 0.0, **fleet)
 
 
@@ -362,7 +368,7 @@ def system_prompt(desk: int, tokens: int) -> str:
 def routers(args: argparse.Namespace) -> dict[str, Any]:
     """The shared-prefix workload, once per router, each on a fresh fleet of 2 replicas."""
     load: RoutersLoad = args.load
-    engine, _ = configs(args)
+    engine, _ = configs(args, kv_cache_mb=load.kv_cache_mb)
     model = served_name(engine.model)
     systems = [system_prompt(desk, load.system_tokens) for desk in range(load.system_prompts)]
     # Question by question, each desk in turn: a desk's next question comes once every other desk has had one.
@@ -371,7 +377,8 @@ def routers(args: argparse.Namespace) -> dict[str, Any]:
     order = ["prefix", "pow2"] if args.first == "prefix" else ["pow2", "prefix"]
     runs = {}
     for router in order:
-        _, fleet = configs(args, router=router, min_replicas=2, max_replicas=2, replica_cpus=1)
+        _, fleet = configs(args, kv_cache_mb=load.kv_cache_mb, router=router, min_replicas=2, max_replicas=2,
+                           replica_cpus=1)
         with fleet_running(model_specs(engine, fleet, None), fleet) as url:
             runs[router] = asyncio.run(measure_all(url, bodies, load.clients))
         run = runs[router]
@@ -530,16 +537,23 @@ def streams(args: argparse.Namespace) -> dict[str, Any]:
     # The large model is the same folder: a second deployment, with replicas of its own.
     _, burst_fleet = configs(args, min_replicas=1, max_replicas=1, replica_cpus=1)
     specs = model_specs(engine, burst_fleet, engine.model)
+    # The same burst twice: through "auto" (the rule sends it to the large model's replica), then named to the
+    # small model, whose replica the chats use: the isolation the rule buys, against none.
     with fleet_running(specs, burst_fleet) as url:
-        burst = asyncio.run(chats_and_burst(url, load))
-    print(f"Chats without the burst: TTFT {ms(burst['chats_alone']['ttft_s'])}, ITL {ms(burst['chats_alone']['itl_s'])}"
-          f"\nChats during the burst:  TTFT {ms(burst['chats_in_burst']['ttft_s'])}, ITL "
-          f"{ms(burst['chats_in_burst']['itl_s'])}\nThe burst went to {burst['burst']['per_model']}", flush=True)
+        burst = asyncio.run(chats_and_burst(url, load, "auto"))
+        shared = asyncio.run(chats_and_burst(url, load, specs[0].name))
+    for label, run in (("isolated", burst), ("shared", shared)):
+        print(f"Chats without the burst ({label}): TTFT {ms(run['chats_alone']['ttft_s'])}, ITL "
+              f"{ms(run['chats_alone']['itl_s'])}\nChats during the burst ({label}):  TTFT "
+              f"{ms(run['chats_in_burst']['ttft_s'])}, ITL {ms(run['chats_in_burst']['itl_s'])}\nThe burst went to "
+              f"{run['burst']['per_model']}", flush=True)
+    models = {spec.name: {"size": spec.size, "folder": spec.engine.model} for spec in specs}
+    note = ("the large model is the small model's own folder, served by a deployment of its own: its replicas are "
+            "separate processes, but compute no more per token")
     return {"workload": asdict(load), "many_streams": {**many, "gateway": asdict(fleet), "timeline": samples},
-            "burst": {"models": {spec.name: {"size": spec.size, "folder": spec.engine.model} for spec in specs},
-                      "note": "the large model is the small model's own folder, served by a deployment of its own: "
-                              "its replicas are separate processes, but compute no more per token",
-                      **burst}}
+            "burst": {"models": models, "note": note, **burst},
+            "burst_shared": {"models": models, "note": "the same burst, named to the chats' own (small) model",
+                             **shared}}
 
 
 async def all_at_once(url: str, model: str, load: StreamsLoad) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -558,9 +572,10 @@ async def all_at_once(url: str, model: str, load: StreamsLoad) -> tuple[dict[str
     return summary, samples
 
 
-async def chats_and_burst(url: str, load: StreamsLoad) -> dict[str, Any]:
+async def chats_and_burst(url: str, load: StreamsLoad, burst_model: str) -> dict[str, Any]:
     """Chat clients through "auto" (short prompts: the small model); after ``lead_in_s``, ``burst`` long
-    prompts at once through "auto" (the large model); the chats stop once every long prompt has its answer.
+    prompts at once to ``burst_model`` ("auto": the rule sends them to the large model; the small model's
+    name: beside the chats); the chats stop once every long prompt has its answer.
     The burst's window runs from sending the long prompts to their last answer: a chat's TTFT (its wait for
     its first token) or gap between two tokens that overlaps it is "in the burst"; one that ends before it,
     "alone"."""
@@ -572,7 +587,7 @@ async def chats_and_burst(url: str, load: StreamsLoad) -> dict[str, Any]:
             "auto", QUESTIONS[i % len(QUESTIONS)], load.chat_tokens), chats_done, t0, stagger_s=0.25))
         await asyncio.sleep(load.lead_in_s)
         begin = time.perf_counter() - t0
-        burst = await send_all(client, [chat_body("auto", long.long_prompt(i), load.burst_max_tokens)
+        burst = await send_all(client, [chat_body(burst_model, long.long_prompt(i), load.burst_max_tokens)
                                         for i in range(load.burst)], load.burst, t0)
         end = time.perf_counter() - t0
         chats_done.set()
@@ -608,10 +623,14 @@ def plot_streams(result: dict[str, Any], out: Path) -> None:
     queue.set(xlabel="seconds", ylabel="requests in flight at the gateway", ylim=(0, None),
               title=f"{many['requests']} streams at once: {many['complete']} complete, errors {many['errors'] or 0}")
     queue.legend(fontsize=8)
-    when, gap = zip(*burst["chat_gaps"], strict=True) if burst["chat_gaps"] else ((), ())
-    gaps.scatter(when, [1000 * g for g in gap], s=4, alpha=0.5, label="a chat's gap between tokens")
-    gaps.axvspan(*burst["window_s"], color="C3", alpha=0.1, label="the long prompts' burst (to the large model)")
-    gaps.set(yscale="log", xlabel="seconds", ylabel="ms", title="Chats through 'auto' while long prompts arrive")
+    runs = ((burst, "C0", "to the large model"), (result["burst_shared"], "C3", "to the chats' model"))
+    for run, color, label in runs:  # each run's clock starts at its own first chat: the two overlay
+        when, gap = zip(*run["chat_gaps"], strict=True) if run["chat_gaps"] else ((), ())
+        gaps.scatter(when, [1000 * g for g in gap], s=4, alpha=0.5, color=color,
+                     label=f"a chat's gap between tokens, the burst {label}")
+        gaps.axvspan(*run["window_s"], color=color, alpha=0.08)
+    gaps.set(yscale="log", xlabel="seconds", ylabel="ms", title="Chats through 'auto' while long prompts arrive "
+             "(shaded: the burst)")
     gaps.legend(fontsize=8, markerscale=3)
     for ax in (queue, gaps):
         ax.grid(True, alpha=0.3)
