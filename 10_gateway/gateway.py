@@ -120,10 +120,14 @@ add_limits(app, Limits(max_requests=GATEWAY_MAX_ONGOING))
 @serve.deployment(max_ongoing_requests=GATEWAY_MAX_ONGOING, ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class Gateway:
+    """The ingress: stage 09's API over every model's replicas. ``models``: the small one first (a request
+    that names no model goes there); ``rule``: how "auto" picks; ``block_size``: the replicas' KV block, whose
+    hashes the prefix router compares."""
+
     def __init__(self, models: list[ServedModel], rule: DifficultyRule, block_size: int) -> None:
         assert models, "the gateway needs a model"
         self.models = {model.name: model for model in models}
-        self.default = models[0]  # a request that names no model goes here (the small one)
+        self.default = models[0]
         self.by_size = {model.size: model for model in reversed(models)}
         self.rule = rule
         self.index = HashIndex(block_size)  # only its hashes() is used: the block hashes of stage 05
@@ -233,8 +237,8 @@ class Gateway:
             headers |= {"x-model": model.name, "x-replica": start.replica, "x-route": reason}
             if not headers.get("content-type", "").startswith("text/event-stream"):
                 # A whole answer: read all of it here, so that a replica failing halfway gives a clean 503.
-                body = b"".join([piece async for piece in call])
-                return Response(body, status_code=start.status, headers=headers)
+                whole = b"".join([piece async for piece in call])
+                return Response(whole, status_code=start.status, headers=headers)
             events = self.relay(call, model.name)
             first = await anext(events)  # started, its `finally` runs even if the client leaves before reading
             return RelayResponse(prepend(first, events), status_code=start.status, headers=headers)

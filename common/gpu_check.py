@@ -98,11 +98,15 @@ def main(argv: list[str] | None = None) -> int:
                               args.out / "demos.log", {**env, "LLM_ATTENTION": attention}, timeout_s=600))
     if not args.skip_bench:
         for folder in stage_folders():
-            if folder[:2] >= FIRST_BENCHMARKED_STAGE and not is_gateway(folder):  # a gateway has its own benchmark
-                checks.append(run(f"{folder} benchmark",
-                                  [sys.executable, "-m", "common.bench", "--stage", folder[:2], "--device", "cuda",
-                                   "--model", str(model), "--out", str(args.out), *BENCH_ARGS],
-                                  args.out / "bench.log", env))
+            if folder[:2] < FIRST_BENCHMARKED_STAGE:
+                continue
+            if is_gateway(folder):  # its own benchmark: the hop through the gateway, against stage 09 alone
+                command = [sys.executable, "-m", f"{folder}.gateway_bench", "hop", "--quick", "--device", "cuda",
+                           "--model", str(model), "--out", str(args.out)]
+            else:
+                command = [sys.executable, "-m", "common.bench", "--stage", folder[:2], "--device", "cuda",
+                           "--model", str(model), "--out", str(args.out), *BENCH_ARGS]
+            checks.append(run(f"{folder} benchmark", command, args.out / "bench.log", env))
     summary = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": str(model),
                "model_kind": kind, "checks": checks}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
