@@ -11,6 +11,8 @@ import os
 import time
 from dataclasses import replace
 
+import torch
+
 from common.cli import DEMO_PROMPTS, config_from_args, served_name, stage_parser
 from common.device import DeviceUnavailable, pick_device
 from common.limits import Limits, add_limit_args
@@ -31,6 +33,14 @@ def answer(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[l
     return answers, time.perf_counter() - started
 
 
+def comparison_size(sizes: list[int], size: int, gpus: int | None) -> int | None:
+    """The ranks of the engine the demo compares with: one, beside a split engine; beside an unsplit one, the
+    smallest split this machine can run (on CUDA a GPU per rank, ``gpus`` of them; on a CPU, any); else None."""
+    if size > 1:
+        return 1
+    return next((n for n in sizes if n > 1 and (gpus is None or n <= gpus)), None)
+
+
 def demo(engine: Engine, max_tokens: int) -> None:
     """The demo prompts on this engine's ranks and on a split (or an unsplit) engine beside it: the same tokens,
     each rank's memory, and what the split costs or saves in time on this machine."""
@@ -38,8 +48,8 @@ def demo(engine: Engine, max_tokens: int) -> None:
     answers, seconds = answer(engine, prompts, max_tokens)
     for prompt_text, ids in zip(DEMO_PROMPTS, answers, strict=True):
         print(f"\n{prompt_text!r}\n  -> {engine.tokenizer.decode(ids, skip_special_tokens=True)!r}")
-    sizes = engine.model.config.tensor_parallel_sizes()
-    other_size = 1 if engine.tp.size > 1 else next((n for n in sizes if n > 1), None)
+    gpus = torch.cuda.device_count() if engine.device.type == "cuda" else None
+    other_size = comparison_size(engine.model.config.tensor_parallel_sizes(), engine.tp.size, gpus)
     if other_size is None or under_torchrun():  # torchrun's processes are all this engine's
         print(f"\n{sum(map(len, answers))} tokens in {seconds:.1f} s; {engine.memory_report()}")
         return

@@ -40,7 +40,7 @@ from common.weights import resolve_model
 from .block_manager import BlockManager
 from .config import CPU_TOKEN_BUDGET, CUDA_TOKEN_BUDGET, EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .distributed import RanksOutOfStep, TPGroup, device_of, start_ranks
+from .distributed import RanksOutOfStep, TPGroup, device_of, start_ranks, under_torchrun
 from .kv_cache import KVCache
 from .model import LlamaForCausalLM, ModelConfig
 from .model_runner import StepInput, cost_rows, start_runner
@@ -80,9 +80,13 @@ def token_budget(config: EngineConfig, device: torch.device) -> int:
     return budget
 
 
-def check_tensor_parallel(config: EngineConfig, model: ModelConfig) -> None:
+def check_tensor_parallel(config: EngineConfig, model: ModelConfig, device: torch.device) -> None:
     """Refuse, before any process starts, what tensor parallelism cannot run."""
     model.check_tensor_parallel_size(config.tensor_parallel_size)
+    # Spawned here, rank r runs on cuda:r: this machine needs a GPU per rank (torchrun gives each its own).
+    if device.type == "cuda" and not under_torchrun() and config.tensor_parallel_size > torch.cuda.device_count():
+        raise ValueError(f"--tensor-parallel-size {config.tensor_parallel_size} needs a GPU per rank, and this machine "
+                         f"has {torch.cuda.device_count()}")
     if config.tensor_parallel_size > 1 and config.speculative == "draft":
         raise ValueError("--speculative draft: the draft model would run on rank 0 alone beside a split model; "
                          "with --tensor-parallel-size above 1, use --speculative ngram or off")
@@ -108,7 +112,7 @@ class Engine:
         self.dtype = pick_dtype(config.dtype, self.device)
         self.max_num_batched_tokens = token_budget(config, self.device)  # checked before the weights are loaded
         model_dir = resolve_model(config.model)
-        check_tensor_parallel(config, ModelConfig.from_pretrained(model_dir))  # before any process starts
+        check_tensor_parallel(config, ModelConfig.from_pretrained(model_dir), self.device)  # before any process starts
         self.ranks = start_ranks(config.tensor_parallel_size, self.device, config.dist_timeout, run_worker,
                                  (config, self.max_num_batched_tokens))
         self.device = device_of(self.device, self.ranks.tp)  # on CUDA each rank its own GPU

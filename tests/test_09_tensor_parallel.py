@@ -291,6 +291,33 @@ def test_refused_at_start_up_before_any_process_starts(model_dir):
     assert psutil.Process().children() == children
 
 
+def test_more_ranks_than_gpus_are_refused_before_any_process_starts(model_dir, monkeypatch):
+    """On CUDA, rank r of a spawned engine runs on cuda:r. Here a CPU pretends to be a machine with one GPU: the
+    check must refuse N = 3 in one line (without it, the workers fail at set_device(1) and rank 0 waits for
+    them); torchrun, which gives each of its processes a GPU of its own, is not refused."""
+    engine = stage(FOLDER, "engine")
+    config = stage(FOLDER, "config").EngineConfig(model=str(model_dir), tensor_parallel_size=3)
+    smollm2 = model_module.ModelConfig.from_pretrained(model_dir)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match="needs a GPU per rank, and this machine has 1"):
+        engine.check_tensor_parallel(config, smollm2, torch.device("cuda"))
+    engine.check_tensor_parallel(config, smollm2, torch.device("cpu"))  # ranks on a CPU: processes, any number
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    engine.check_tensor_parallel(config, smollm2, torch.device("cuda"))
+
+
+def test_the_demo_compares_only_with_an_engine_this_machine_can_run():
+    main = stage(FOLDER, "__main__")
+    assert main.comparison_size([1, 3], size=3, gpus=1) == 1  # beside a split engine: one rank
+    assert main.comparison_size([1, 3], size=1, gpus=None) == 3  # on a CPU, any split
+    assert main.comparison_size([1, 3], size=1, gpus=3) == 3
+    assert main.comparison_size([1, 3], size=1, gpus=1) is None  # one GPU: no split to compare with
+    assert main.comparison_size([1, 2, 4], size=1, gpus=2) == 2
+
+
 # --- the server on two ranks, and the ways ranks go away -------------------------------------------------------
 
 
