@@ -43,9 +43,9 @@ class ResponseStart:
 class ModelReplica:
     """A stage 09 engine and its app. ``fleet.py`` makes it a Ray Serve deployment; a test can build one bare."""
 
-    def __init__(self, config: EngineConfig, served_name: str, threads: int = 1, replica: str = "") -> None:
+    def __init__(self, config: EngineConfig, served_name: str, threads: int = 1) -> None:
         torch.set_num_threads(threads)  # Ray reserved these cores for this process
-        self.replica = replica or replica_id()
+        self.replica = replica_id()
         self.served_name = served_name
         self.engine = AsyncEngine(Engine(config))
         self.app: FastAPI = create_app(self.engine, served_name)
@@ -64,9 +64,8 @@ class ModelReplica:
                 yield message["body"]
 
     def describe(self) -> dict[str, Any]:
-        """What the gateway needs to know of the model: its name, context length and KV block size."""
-        return {"model": self.served_name, "max_model_len": self.engine.max_model_len,
-                "block_size": self.engine.stats().kv_blocks.block_size}
+        """What the gateway's /v1/models says of the model: its name and context length."""
+        return {"model": self.served_name, "max_model_len": self.engine.max_model_len}
 
     def health(self) -> dict[str, Any]:
         stats = self.engine.stats()
