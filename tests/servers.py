@@ -7,12 +7,14 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
-import openai
 
 from common.net import free_port
+
+if TYPE_CHECKING:
+    import openai
 
 
 @dataclass
@@ -21,6 +23,8 @@ class LiveServer:
     engine: Any = None
 
     def client(self, **kwargs: Any) -> openai.OpenAI:
+        import openai  # here, not at the top: collecting the GPU tests imports no client library
+
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, **kwargs)
 
     def metric(self, name: str) -> float:
