@@ -183,8 +183,9 @@ def extend_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     starts, seq_lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
     for i, seq_len in enumerate(seq_lens):
         start, end = starts[i], starts[i + 1]
-        keys = gather_kv(k_cache, meta.block_tables[i : i + 1])[0, :seq_len].transpose(0, 1)  # [Hkv, L, D]
-        values = gather_kv(v_cache, meta.block_tables[i : i + 1])[0, :seq_len].transpose(0, 1)
+        table = meta.block_tables[i : i + 1, : -(-seq_len // k_cache.shape[1])]  # [1, its blocks]: none of the padding
+        keys = gather_kv(k_cache, table)[0, :seq_len].transpose(0, 1)  # [Hkv, L, D]
+        values = gather_kv(v_cache, table)[0, :seq_len].transpose(0, 1)
         # As a batch of one, [1, H, n, D]: 4-D inputs take PyTorch's fused (flash) CPU kernel, which works
         # through the keys a block at a time; 3-D inputs take its unfused path, which holds every [H, n, L]
         # score at once (324 MB a layer for a 3,000-token prompt) and is three times slower.

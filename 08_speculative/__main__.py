@@ -102,12 +102,13 @@ def main() -> None:
     print(f"Prefix cache: {args.prefix_cache}")
     runner = engine.runner
     if runner.capture_seconds is not None:
-        print(f"CUDA graphs: the decode step captured for batch sizes {runner.sizes} "
-              f"in {runner.capture_seconds:.1f} s, holding {runner.graph_memory_bytes / 2**20:.0f} MiB of the GPU "
-              "(steps with guesses run eagerly)")
+        print(f"CUDA graphs: decode steps captured for batch sizes {runner.sizes}, steps with guesses for "
+              f"{runner.verify_sizes} rows, in {runner.capture_seconds:.1f} s, holding "
+              f"{runner.graph_memory_bytes / 2**20:.0f} MiB of the GPU")
     else:
         why = "--enforce-eager" if args.enforce_eager else "they need CUDA and the Triton kernels"
-        print(f"CUDA graphs: off ({why}); decode steps run eagerly from static buffers, buckets {engine.runner.sizes}")
+        print(f"CUDA graphs: off ({why}); steps run eagerly from static buffers: decodes in buckets {runner.sizes}, "
+              f"steps with guesses in buckets of {runner.verify_sizes} rows")
     if args.speculative == "draft":
         draft = engine.proposer.model.config
         source = args.draft_model or f"the model's first {draft.num_layers} of {engine.model.config.num_layers} layers"

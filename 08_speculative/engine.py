@@ -109,7 +109,8 @@ class Engine:
             num_blocks = self.kv_cache.num_blocks  # the draft's K/V live in blocks of the same ids
             self.draft_kv_cache = KVCache.allocate(draft_shape, num_blocks * draft_shape.bytes_per_block, self.device)
             self.proposer = DraftProposer(draft, self.draft_kv_cache, config.block_size, self.device,
-                                          config.max_num_seqs, self.max_model_len, self.max_num_batched_tokens)
+                                          config.max_num_seqs, self.max_model_len, self.max_num_batched_tokens,
+                                          config.enforce_eager)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
                                    self.eos_token_ids, self.speculation_cost())
 

@@ -1,15 +1,22 @@
-"""python -m 09_tensor_parallel [--demo] [--tensor-parallel-size N] [--port P]
+"""python -m 09_tensor_parallel [--demo] [--tensor-parallel-size N] [--process-group] [--port P]
 
 Under torchrun every rank runs this module: rank 0 serves (or runs the demo), the others run_worker:
 
     torchrun --nproc-per-node 3 -m 09_tensor_parallel --tensor-parallel-size 3 --demo
+
+One rank that still issues every collective, through a process group of one (the parallel path on one device):
+
+    python -m 09_tensor_parallel --process-group --demo                          gloo, on a CPU
+    torchrun --nproc-per-node 1 -m 09_tensor_parallel --device cuda --demo       NCCL, on one GPU
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import time
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -20,7 +27,7 @@ from common.trace import Tracer, add_trace_args
 
 from .async_engine import AsyncEngine
 from .config import EngineConfig
-from .distributed import under_torchrun
+from .distributed import RanksOutOfStep, under_torchrun
 from .engine import Engine, token_budget
 from .sampler import SamplingParams
 from .worker import run_worker
@@ -41,29 +48,73 @@ def comparison_size(sizes: list[int], size: int, gpus: int | None) -> int | None
     return next((n for n in sizes if n > 1 and (gpus is None or n <= gpus)), None)
 
 
-def demo(engine: Engine, max_tokens: int) -> None:
-    """The demo prompts on this engine's ranks and on a split (or an unsplit) engine beside it: the same tokens,
-    each rank's memory, and what the split costs or saves in time on this machine."""
-    prompts = [engine.encode_chat([{"role": "user", "content": p}]) for p in DEMO_PROMPTS]
-    answers, seconds = answer(engine, prompts, max_tokens)
-    for prompt_text, ids in zip(DEMO_PROMPTS, answers, strict=True):
-        print(f"\n{prompt_text!r}\n  -> {engine.tokenizer.decode(ids, skip_special_tokens=True)!r}")
-    gpus = torch.cuda.device_count() if engine.device.type == "cuda" else None
-    other_size = comparison_size(engine.model.config.tensor_parallel_sizes(), engine.tp.size, gpus)
-    if other_size is None or under_torchrun():  # torchrun's processes are all this engine's
-        print(f"\n{sum(map(len, answers))} tokens in {seconds:.1f} s; {engine.memory_report()}")
-        return
-    print(f"\nThe same prompts on {other_size} rank(s), for comparison (--tensor-parallel-size {other_size}):")
-    other = Engine(replace(engine.config, tensor_parallel_size=other_size))
+@dataclass
+class DemoRun:
+    """What one engine of the demo answered and held: plain numbers and text, so that the engine itself can go."""
+
+    size: int  # its ranks
+    answers: list[list[int]]
+    seconds: float
+    report: str  # rank 0's weights and KV cache
+    comparison: int | None  # the ranks of the engine to compare it with (``comparison_size``)
+
+
+def start_engine(config: EngineConfig) -> Engine:
+    """The engine, or exit with a one-line error: no such device; a budget below max_num_seqs; a bad draft; a
+    --tensor-parallel-size that does not split the model; a rank that exited at start-up."""
     try:
-        other_report = other.memory_report()
-        other_answers, other_seconds = answer(other, prompts, max_tokens)
+        return Engine(config)
+    except (DeviceUnavailable, ValueError, RanksOutOfStep) as exc:
+        raise SystemExit(f"error: {exc}") from None
+
+
+def demo_run(config: EngineConfig, max_tokens: int, show: Callable[[Engine], None] | None) -> DemoRun:
+    """Start an engine, answer the demo prompts on it, and shut it down (every rank with it). ``show``: describe the
+    engine and print its answers (the first engine of the demo)."""
+    engine = start_engine(config)
+    try:
+        if show is not None:
+            show(engine)
+        prompts = [engine.encode_chat([{"role": "user", "content": p}]) for p in DEMO_PROMPTS]
+        answers, seconds = answer(engine, prompts, max_tokens)
+        if show is not None:
+            for prompt_text, ids in zip(DEMO_PROMPTS, answers, strict=True):
+                print(f"\n{prompt_text!r}\n  -> {engine.tokenizer.decode(ids, skip_special_tokens=True)!r}")
+        gpus = torch.cuda.device_count() if engine.device.type == "cuda" else None
+        other = comparison_size(engine.model.config.tensor_parallel_sizes(), engine.tp.size, gpus)
+        return DemoRun(engine.tp.size, answers, seconds, engine.memory_report(), other)
     finally:
-        other.shutdown()
-    for size, report, tokens, took in ((engine.tp.size, engine.memory_report(), answers, seconds),
-                                       (other_size, other_report, other_answers, other_seconds)):
-        print(f"  {size} rank(s): {sum(map(len, tokens))} tokens in {took:.1f} s; {report}")
-    print(f"The same tokens on {engine.tp.size} and on {other_size} rank(s): {answers == other_answers}. "
+        engine.shutdown()
+
+
+def release_memory() -> None:
+    """Give back what a finished engine held: its objects (some refer to each other, so only the collector frees
+    them) and, on CUDA, the cached blocks PyTorch keeps for reuse, which the next engine's pool must be able to see
+    as free (``mem_get_info``)."""
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def demo(config: EngineConfig, max_tokens: int, show: Callable[[Engine], None] | None = None) -> None:
+    """The demo prompts on this engine's ranks and on a split (or an unsplit) engine after it: the same tokens,
+    each rank's memory, and what the split costs or saves in time on this machine.
+
+    One engine at a time: on a GPU the first engine's pool takes most of what its weights left
+    (``--gpu-memory-utilization``), and the second engine's rank 0 runs on the same GPU. So the first is shut down
+    and its memory freed before the second starts."""
+    first = demo_run(config, max_tokens, show)
+    release_memory()
+    if first.comparison is None or under_torchrun():  # torchrun's processes are all this engine's
+        print(f"\n{sum(map(len, first.answers))} tokens in {first.seconds:.1f} s; {first.report}")
+        return
+    print(f"\nThe same prompts on {first.comparison} rank(s), for comparison (--tensor-parallel-size "
+          f"{first.comparison}), once the first engine has stopped:")
+    other = demo_run(replace(config, tensor_parallel_size=first.comparison), max_tokens, None)
+    release_memory()
+    for run in (first, other):
+        print(f"  {run.size} rank(s): {sum(map(len, run.answers))} tokens in {run.seconds:.1f} s; {run.report}")
+    print(f"The same tokens on {first.size} and on {other.size} rank(s): {first.answers == other.answers}. "
           "On one machine's CPU the ranks share its cores: the README measures what a split costs here.")
 
 
@@ -76,17 +127,19 @@ def main() -> None:
     if under_torchrun() and int(os.environ["RANK"]) > 0:  # torchrun started this process as a worker
         run_worker(int(os.environ["RANK"]), "env://", config, token_budget(config, pick_device(config.device)))
         return
+    if args.demo:  # each engine of the demo starts, answers and shuts down in turn
+        demo(config, args.max_tokens, lambda engine: describe(engine, args))
+        return
+    engine = start_engine(config)
     try:
-        engine = Engine(config)
-    except (DeviceUnavailable, ValueError) as exc:  # no such device; a budget below max_num_seqs; a bad draft;
-        raise SystemExit(f"error: {exc}") from None  # a --tensor-parallel-size that does not split the model
-    try:
-        serve_or_demo(engine, args)
+        describe(engine, args)
+        serve(engine, args)
     finally:
         engine.shutdown()  # every other rank stops too (the server's shutdown has done it already)
 
 
-def serve_or_demo(engine: Engine, args) -> None:
+def describe(engine: Engine, args) -> None:
+    """What the engine holds and does: the model, the pool, the step, the caches, the ranks, graphs, speculation."""
     cache = engine.kv_cache
     print(f"Loaded {args.model} on {engine.device} ({engine.dtype}), context {engine.max_model_len} tokens")
     print(f"KV cache: {cache.num_blocks} blocks x {args.block_size} tokens = {engine.kv_capacity_tokens} tokens, "
@@ -95,15 +148,17 @@ def serve_or_demo(engine: Engine, args) -> None:
           "guesses first, then prompt chunks)")
     print(f"Prefix cache: {args.prefix_cache}")
     others = " (each of the others prints its own)" if engine.tp.size > 1 else ""
-    print(f"Tensor parallel: {engine.memory_report()}{others}")
+    group = " in a process group of one" if engine.tp.size == 1 and engine.tp.group is not None else ""
+    print(f"Tensor parallel{group}: {engine.memory_report()}{others}")
     runner = engine.runner
     if runner.capture_seconds is not None:
-        print(f"CUDA graphs: the decode step captured for batch sizes {runner.sizes} "
-              f"in {runner.capture_seconds:.1f} s, holding {runner.graph_memory_bytes / 2**20:.0f} MiB of the GPU "
-              "(steps with guesses run eagerly)")
+        print(f"CUDA graphs: decode steps captured for batch sizes {runner.sizes}, steps with guesses for "
+              f"{runner.verify_sizes} rows, in {runner.capture_seconds:.1f} s, holding "
+              f"{runner.graph_memory_bytes / 2**20:.0f} MiB of the GPU")
     else:
         why = "--enforce-eager" if args.enforce_eager else "they need CUDA and the Triton kernels"
-        print(f"CUDA graphs: off ({why}); decode steps run eagerly from static buffers, buckets {engine.runner.sizes}")
+        print(f"CUDA graphs: off ({why}); steps run eagerly from static buffers: decodes in buckets {runner.sizes}, "
+              f"steps with guesses in buckets of {runner.verify_sizes} rows")
     if args.speculative == "draft":
         draft = engine.proposer.model.config
         source = args.draft_model or f"the model's first {draft.num_layers} of {engine.model.config.num_layers} layers"
@@ -113,9 +168,9 @@ def serve_or_demo(engine: Engine, args) -> None:
         print(f"Speculation: n-gram prompt lookup guesses k = {args.num_speculative_tokens} tokens")
     else:
         print("Speculation: off")
-    if args.demo:
-        demo(engine, args.max_tokens)
-        return
+
+
+def serve(engine: Engine, args) -> None:
     import uvicorn
 
     from .server import create_app

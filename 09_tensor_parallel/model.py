@@ -20,8 +20,8 @@ loading stacks the checkpoint's separate tensors (``checkpoint_parts``).
 Every layer with a weight matrix is a parallel layer (``parallel.py``), built for this
 process's rank of ``tp``: q/k/v and gate/up column-parallel, o_proj and down_proj row-parallel (an
 all-reduce each), the embedding and the output projection split by vocabulary. Each rank loads only its
-own slices of the checkpoint. With one rank (``tp.size`` 1) every slice is the whole tensor and every
-collective does nothing: the same model as stage 08.
+own slices of the checkpoint. With one rank (``tp.size`` 1) every slice is the whole tensor and, without a
+process group (the default), every collective does nothing: the same model as stage 08.
 """
 
 from __future__ import annotations

@@ -20,6 +20,14 @@ The step's numbers are copied into their first rows and the rest is padding that
     slot_mapping  [s0 s1 s2 s3 s4| -1 -1 -1]    padding writes no KV
     seq_lens      [41 17 90 5  33| 0  0  0 ]    and attends to nothing (zeros)
     block_tables  [5 rows of blocks, then 3 rows of 0] x W columns, W = ceil(max_model_len / block_size) always
+    logits_indices [rows whose logits are needed, then 0]
+
+Everything a step needs goes in before it runs, through CPU twins of the buffers (pinned on CUDA, so that
+the copies do not block the CPU): nothing is read back from the GPU, and nothing made for the step is sent
+there, between the step's start and its logits. A block table comes as its sequence's own list of blocks,
+as long as it is; the rows are padded with block 0 up to the width in one tensor operation (a mask of
+where each row's blocks go), not row by row in Python (at 64 rows of 512 columns that loop takes 2.4 ms a
+step, most of what a replayed step takes on a GPU).
 
 On CUDA each bucket's forward pass is captured once into a **CUDA graph** (``capture``): the GPU
 records every kernel launch with its arguments, and a step then replays the whole pass with one
@@ -27,14 +35,31 @@ launch from the CPU instead of some 1,400. Replay reads whatever the static buff
 why they never move and why their shapes (the table width too) never change. On a CPU nothing is
 captured: the same buffers, buckets and padding run eagerly, so every CPU test exercises them.
 
-Mixed and prefill steps, and steps that score prompts (echo), run eagerly, with tensors built for the
-step (``run_eager``): their shapes change every step.
+Steps with a prompt chunk longer than 1 + K tokens (below), and steps that score prompts (echo), run
+eagerly, with tensors built for the step (``run_eager``): their shapes change every step.
 
 A decoding sequence may bring guesses (``draft_ids``), run right after its last token
 as a short chunk of 1 + k rows, and every one of those rows gets logits, for verification. A step with
-guesses has rows of several tokens, so it runs eagerly, not from the static buffers. At start-up the
-runner times steps of a few sizes, with and without guesses (``measure_cost``, ``measure_sequence_cost``):
-what a step's rows cost is what the speculation policy (``policy.py``) weighs each guess against.
+guesses, a **verification step**, runs from the same static buffers, in buckets of its own: its T rows
+(1 + k for each sequence, k from 0 to K = ``num_speculative_tokens``, sequences of different k side by side)
+are padded to a bucket of R rows (``verification_sizes``: the decode sizes, and each of them times 1 + K, so
+that a step where every sequence brings K guesses pads nothing), and the bucket has R sequence slots, one per
+row at most: the step's n sequences, then one per padding row (that row alone: it reads the first slot of
+block 0 and writes nothing), then empty ones (no rows)::
+
+    3 sequences with k = 2, 0, 1 -> T = 6 rows, bucket 8 (K = 4: query length 5 for the kernels' grid):
+    input_ids        [a0 a1 a2 | b0 | c0 c1 | 0  0 ]
+    slot_mapping     [s  s  s  | s  | s  s  | -1 -1]   padding writes no KV
+    query_start_loc  0          3    4       6  7  8  8  8  8  each padding row its own sequence, then empty ones
+    seq_lens         [41 17 90 | 1  1 | 0  0  0]      padding: one key (block 0's first slot), or no rows at all
+
+The real rows are exactly the eager step's, in the same places, and attend exactly as they would there
+(a row's keys are its own sequence's, up to its own position); the kernels' grid is fixed per bucket
+(``max_query_len`` = 1 + K: a sequence with fewer rows leaves the programs past them idle). On CUDA each
+verification bucket is captured too, so a step with guesses replays a graph as a decode step does. At
+start-up the runner times steps of a few sizes, with and without guesses (``measure_cost``,
+``measure_sequence_cost``): what a step's rows cost is what the speculation policy (``policy.py``) weighs
+each guess against.
 
 With tensor parallelism every rank has a runner, and rank 0 sends each step to the others before
 running it itself (``worker.py``); every rank runs the same forward pass on its own slices of the model
@@ -50,7 +75,8 @@ import statistics
 import time
 from bisect import bisect_left
 from dataclasses import dataclass
-from itertools import accumulate, pairwise
+from itertools import accumulate, chain, pairwise
+from typing import NamedTuple
 
 import torch
 
@@ -86,7 +112,7 @@ class StepInput:
     slot_mapping: list[int]  # [T]: the cache slot each token's K/V goes to (-1: nowhere)
     query_start_loc: list[int]  # [B + 1]: where each sequence's new tokens start in T
     seq_lens: list[int]  # [B]: cached + new tokens of each sequence after this step
-    block_tables: list[list[int]]  # [B][max_blocks]: each sequence's blocks, padded with block 0
+    block_tables: list[list[int]]  # [B][its blocks]: each sequence's own table, as long as it is (not padded)
     logits_indices: list[int]  # [R]: each sampling sequence's last row and its k guesses' rows (none mid-prompt)
     prompt_logits_indices: list[int]  # the rows that score a prompt's next token, for the sequences that asked (echo)
     num_prompt_logits: list[int]  # [B]: how many of those rows belong to each sequence (0 for most)
@@ -103,6 +129,34 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     ### END SOLUTION
 
 
+def pad_block_tables(tables: list[list[int]], out: torch.Tensor) -> torch.Tensor:
+    """The ragged ``tables`` written into ``out`` [R, W] (R >= len(tables)), returned: row i holds table i's blocks
+    then block 0, the rows past the tables block 0 only. One flat tensor of every block, scattered in row-major
+    order by a mask of where each row's blocks go: no row is padded in Python."""
+    lens = torch.zeros(out.shape[0], dtype=torch.int64)  # [R]
+    lens[: len(tables)] = torch.tensor([len(table) for table in tables], dtype=torch.int64)
+    blocks = torch.tensor(list(chain.from_iterable(tables)), dtype=out.dtype)  # [sum of lens]
+    out.zero_()
+    out.masked_scatter_(torch.arange(out.shape[1]) < lens[:, None], blocks)  # mask [R, W]: True on a row's blocks
+    return out
+
+
+class Bucket(NamedTuple):
+    """A shape of step the static buffers run (and, on CUDA, a captured graph): ``rows`` rows in as many
+    sequence slots, each sequence with at most ``query_len`` of them (1: a decode step; 1 + K: a verification)."""
+
+    rows: int
+    query_len: int
+
+
+def verification_sizes(decode_sizes: list[int], query_len: int, most: int) -> list[int]:
+    """The buckets a step with guesses is padded to, by rows, up to ``most``: the decode buckets' sizes from 2 rows
+    on (a step with guesses has 2 rows or more), and each decode bucket's sequences with all their guesses
+    (n x ``query_len`` rows), so that the commonest verification, every sequence with K guesses, pads nothing."""
+    full = {n * query_len for n in decode_sizes if n * query_len <= most}
+    return sorted({size for size in graph_batch_sizes(most) if size > 1} | full)
+
+
 def bucket_for(num_seqs: int, sizes: list[int]) -> int | None:
     """The smallest bucket that holds ``num_seqs`` rows; None when none does (the step runs eagerly)."""
     i = bisect_left(sizes, num_seqs)
@@ -111,47 +165,49 @@ def bucket_for(num_seqs: int, sizes: list[int]) -> int | None:
 
 @dataclass
 class StaticBuffers:
-    """A decode step's inputs and output at fixed addresses, sized for the largest bucket.
+    """A step's inputs and output at fixed addresses, sized for the largest bucket: R rows, R sequence slots.
 
     A captured graph replays its kernels on exactly these tensors, so a step never allocates new ones:
     it copies its numbers in (``load``) and reads the output rows it needs. On CUDA the numbers go
     through pinned CPU twins (``staging``) and are copied to the GPU without blocking the CPU."""
 
-    input_ids: torch.Tensor  # [max_bs] int64, padding 0 (any valid token: its row is thrown away)
-    positions: torch.Tensor  # [max_bs] int64, padding 0
-    slot_mapping: torch.Tensor  # [max_bs] int64, padding -1: write no K/V
-    seq_lens: torch.Tensor  # [max_bs] int32, padding 0: attend to nothing, output zeros
-    block_tables: torch.Tensor  # [max_bs, W] int32, padding 0; W never changes (a graph bakes in the stride)
-    query_start_loc: torch.Tensor  # [max_bs + 1] int32: 0, 1, 2, ... (one token a row, always)
-    query_lens: torch.Tensor  # [max_bs] int32: all ones
-    logits_indices: torch.Tensor  # [max_bs] int64: 0, 1, 2, ... (each row's one token is its last)
-    hidden: torch.Tensor  # [max_bs, hidden_size]: the forward pass's output
+    input_ids: torch.Tensor  # [R] int64, padding 0 (any valid token: its row is thrown away)
+    positions: torch.Tensor  # [R] int64, padding 0
+    slot_mapping: torch.Tensor  # [R] int64, padding -1: write no K/V
+    query_start_loc: torch.Tensor  # [R + 1] int32: the step's, then one more row per padding row, then no more
+    query_lens: torch.Tensor  # [R] int32: the sequence slots' rows (a decode bucket: all ones)
+    seq_lens: torch.Tensor  # [R] int32, padding 0 (attend to nothing: zeros), or 1 in a verification bucket
+    block_tables: torch.Tensor  # [R, W] int32, padding 0; W never changes (a graph bakes in the stride)
+    logits_indices: torch.Tensor  # [R] int64: the rows whose logits the step needs, then 0
+    hidden: torch.Tensor  # [R, hidden_size]: the forward pass's output
     staging: dict[str, torch.Tensor]  # the rewritten buffers' CPU twins (pinned on CUDA)
     copied: torch.cuda.Event | None = None  # on CUDA: set when the last step's copies out of staging are done
 
     @classmethod
-    def allocate(cls, max_bs: int, width: int, hidden_size: int, dtype: torch.dtype,
+    def allocate(cls, max_rows: int, width: int, hidden_size: int, dtype: torch.dtype,
                  device: torch.device) -> StaticBuffers:
         def zeros(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dtype, device=device)
 
-        inputs = {"input_ids": zeros(max_bs, dtype=torch.int64), "positions": zeros(max_bs, dtype=torch.int64),
-                  "slot_mapping": torch.full((max_bs,), -1, dtype=torch.int64, device=device),
-                  "seq_lens": zeros(max_bs), "block_tables": zeros(max_bs, width)}
+        inputs = {"input_ids": zeros(max_rows, dtype=torch.int64), "positions": zeros(max_rows, dtype=torch.int64),
+                  "slot_mapping": torch.full((max_rows,), -1, dtype=torch.int64, device=device),
+                  "query_start_loc": torch.arange(max_rows + 1, dtype=torch.int32, device=device),
+                  "query_lens": torch.ones(max_rows, dtype=torch.int32, device=device),
+                  "seq_lens": zeros(max_rows), "block_tables": zeros(max_rows, width),
+                  "logits_indices": zeros(max_rows, dtype=torch.int64)}
         pinned = device.type == "cuda"
         staging = {name: torch.empty_like(buffer, device="cpu", pin_memory=pinned) for name, buffer in inputs.items()}
-        return cls(**inputs, query_start_loc=torch.arange(max_bs + 1, dtype=torch.int32, device=device),
-                   query_lens=torch.ones(max_bs, dtype=torch.int32, device=device),
-                   logits_indices=torch.arange(max_bs, dtype=torch.int64, device=device),
-                   hidden=zeros(max_bs, hidden_size, dtype=dtype), staging=staging)
+        return cls(**inputs, hidden=zeros(max_rows, hidden_size, dtype=dtype), staging=staging)
 
     @property
     def width(self) -> int:
         return self.block_tables.shape[1]
 
-    def load(self, step: StepInput, size: int) -> None:
-        """Rows [0, n) get the step's n decode rows, rows [n, size) padding; nothing of an earlier step stays."""
-        n = len(step.seq_lens)
+    def load(self, step: StepInput, size: int, query_len: int = 1) -> None:
+        """Rows [0, T) get the step's T rows, rows [T, size) padding; the sequence slots the step's sequences, then
+        padding (``sequence_slots``); nothing of an earlier step stays. The block tables and the logits' rows too:
+        every number the step needs is on its way before it runs."""
+        n = len(step.input_ids)
         assert n <= size <= self.input_ids.shape[0], f"{n} rows do not fit a bucket of {size}"
         if self.copied is not None:  # the GPU may still be reading the last step's numbers out of staging
             self.copied.synchronize()
@@ -163,39 +219,67 @@ class StaticBuffers:
             "input_ids": step.input_ids + [0] * pad,
             "positions": step.positions + [0] * pad,
             "slot_mapping": step.slot_mapping + [-1] * pad,
-            "seq_lens": step.seq_lens + [0] * pad,
-            "block_tables": [table + [0] * (self.width - len(table)) for table in step.block_tables]
-            + [[0] * self.width] * pad,
         }
         ### END SOLUTION
-        for name, rows in values.items():
-            staged = self.staging[name][:size]
-            staged.copy_(torch.tensor(rows, dtype=staged.dtype))
-            getattr(self, name)[:size].copy_(staged, non_blocking=True)  # pinned -> GPU: the CPU goes on
+        values |= sequence_slots(step, size, query_len)
+        values["logits_indices"] = step.logits_indices + [0] * (size - len(step.logits_indices))
+        for name, numbers in values.items():
+            self.staging[name][: len(numbers)].copy_(torch.tensor(numbers, dtype=self.staging[name].dtype))
+        pad_block_tables(step.block_tables, self.staging["block_tables"][:size])  # each row padded to the width W
+        for name, staged in self.staging.items():
+            rows = size + 1 if name == "query_start_loc" else size
+            getattr(self, name)[:rows].copy_(staged[:rows], non_blocking=True)  # pinned -> GPU: the CPU goes on
         if self.input_ids.is_cuda:
             self.copied = torch.cuda.Event()
             self.copied.record()
 
-    def metadata(self, size: int) -> AttentionMetadata:
-        """The attention metadata of a bucket of ``size`` rows: views of the buffers, never copies."""
+    def metadata(self, size: int, query_len: int = 1) -> AttentionMetadata:
+        """The attention metadata of a bucket of ``size`` rows whose sequences have at most ``query_len`` rows each:
+        views of the buffers, never copies, and a ``max_query_len`` fixed by the bucket, not by the step."""
         return AttentionMetadata(slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[:size + 1],
                                  query_lens=self.query_lens[:size], seq_lens=self.seq_lens[:size],
-                                 block_tables=self.block_tables[:size], max_query_len=1,
+                                 block_tables=self.block_tables[:size], max_query_len=query_len,
                                  logits_indices=self.logits_indices[:size])
 
 
+def sequence_slots(step: StepInput, size: int, query_len: int) -> dict[str, list[int]]:
+    """The ``size`` sequence slots of a bucket of ``size`` rows: the step's n sequences, then one sequence of one row
+    per padding row, then empty sequences (no rows; a verification step has fewer sequences than rows).
+
+    A padding row's context is 0 in a decode bucket (the decode kernels give zeros) and 1 in a verification bucket
+    (the extend kernel divides by the weights of the keys a row sees: one key, the first slot of block 0, keeps the
+    row finite; what it reads there does not matter, its row is thrown away)."""
+    num_rows, num_seqs = len(step.input_ids), len(step.seq_lens)
+    starts = step.query_start_loc + list(range(num_rows + 1, size + 1)) + [size] * (num_rows - num_seqs)  # [size + 1]
+    context = 0 if query_len == 1 else 1
+    return {"query_start_loc": starts, "query_lens": [end - start for start, end in pairwise(starts)],
+            "seq_lens": step.seq_lens + [context] * (size - num_rows) + [0] * (num_rows - num_seqs)}
+
+
 class ModelRunner:
+    """``num_speculative_tokens``: the most guesses K of a sequence in a step (0: no verification buckets); a step
+    with guesses has at most ``max_num_batched_tokens`` rows (None: every sequence with all K guesses fits)."""
+
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int,
-                 device: torch.device, max_num_seqs: int, max_model_len: int) -> None:
+                 device: torch.device, max_num_seqs: int, max_model_len: int, num_speculative_tokens: int = 0,
+                 max_num_batched_tokens: int | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
         self.sizes = graph_batch_sizes(max_num_seqs)  # the decode buckets, smallest first
+        self.verify_query_len = 1 + num_speculative_tokens  # the most rows of one sequence in a step with guesses
+        most = max_num_seqs * self.verify_query_len  # every sequence with all its guesses
+        if max_num_batched_tokens is not None:
+            most = min(most, max_num_batched_tokens)
+        # The verification buckets, by rows; none without guesses.
+        sizes = verification_sizes(self.sizes, self.verify_query_len, most)
+        self.verify_sizes = sizes if num_speculative_tokens else []
         width = -(-max_model_len // kv_cache.shape.block_size)  # blocks of the longest possible sequence
         dtype = model.model.embed_tokens.weight.dtype
-        self.buffers = StaticBuffers.allocate(self.sizes[-1], width, model.config.hidden_size, dtype, device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # bucket -> its captured decode step (CUDA only)
+        rows = max([*self.sizes, *self.verify_sizes])
+        self.buffers = StaticBuffers.allocate(rows, width, model.config.hidden_size, dtype, device)
+        self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}  # bucket -> its captured step (CUDA only)
         self.capture_seconds: float | None = None  # how long capturing the graphs took; None: not captured
         self.graph_memory_bytes = 0  # what the captured graphs hold on the GPU
         self.step_cost: StepCost | None = None  # a step with guesses, by rows (None: not measured, no cost policy)
@@ -229,21 +313,30 @@ class ModelRunner:
             scored = max(0, min(end, len(seq.prompt_ids) - 1) - start) if seq.needs_prompt_logprobs else 0
             prompt_logits_indices.extend(range(query_start_loc[-2], query_start_loc[-2] + scored))
             num_prompt_logits.append(scored)
-        width = max(len(seq.block_table) for seq in batch.seqs)
-        block_tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.seqs]
+        block_tables = [seq.block_table.copy() for seq in batch.seqs]  # ragged: padded where they become a tensor
         return StepInput(input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables, logits_indices,
                          prompt_logits_indices=prompt_logits_indices, num_prompt_logits=num_prompt_logits)
 
-    def _tensor(self, values: list[int] | list[list[int]], dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    def _tensor(self, values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
 
-    def bucket(self, step: StepInput) -> int | None:
-        """The bucket a step runs in from the static buffers, or None: it runs eagerly (a prompt chunk of
-        more than one token, a sequence's guesses, prompt scoring, or more rows than the largest bucket)."""
-        one_token_each = len(step.input_ids) == len(step.seq_lens)  # T == B: every row is one token
-        if not one_token_each or step.prompt_logits_indices:
+    def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
+        """The step's ragged tables as one [B, longest] tensor, padded with block 0."""
+        width = max(len(table) for table in tables)
+        return pad_block_tables(tables, torch.empty(len(tables), width, dtype=torch.int32)).to(self.device)
+
+    def bucket(self, step: StepInput) -> Bucket | None:
+        """The bucket a step runs in from the static buffers, or None: it runs eagerly (a sequence with more rows
+        than 1 + K, a long prompt chunk; prompt scoring; more rows than the largest bucket). A step of one row a
+        sequence is a decode step; one with up to 1 + K rows a sequence, guesses or short chunks, a verification."""
+        if step.prompt_logits_indices:
             return None
-        return bucket_for(len(step.seq_lens), self.sizes)
+        if len(step.input_ids) == len(step.seq_lens):  # T == B: every row is one token
+            size = bucket_for(len(step.seq_lens), self.sizes)
+            return None if size is None else Bucket(size, 1)
+        longest = max(end - start for start, end in pairwise(step.query_start_loc))
+        size = bucket_for(len(step.input_ids), self.verify_sizes)
+        return None if size is None or longest > self.verify_query_len else Bucket(size, self.verify_query_len)
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -266,28 +359,29 @@ class ModelRunner:
 
     def run_step(self, step: StepInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """This rank's part of the step: from the static buffers when it fits a bucket, else eagerly."""
-        size = self.bucket(step)
-        if size is not None:
-            hidden = self.run_static(step, size)  # [B, hidden]: the real rows of the bucket
-            logits_indices = self._tensor(step.logits_indices, torch.int64)  # every rank computes its logit slice
-            return self.model.compute_logits(hidden[logits_indices]), None
+        bucket = self.bucket(step)
+        if bucket is not None:
+            hidden = self.run_static(step, bucket)  # [T, hidden]: the real rows of the bucket
+            rows = self.buffers.logits_indices[: len(step.logits_indices)]  # [R]: loaded with the step's inputs
+            return self.model.compute_logits(hidden[rows]), None  # every rank computes its logit slice
         return self.run_eager(step)
 
-    def run_static(self, step: StepInput, size: int) -> torch.Tensor:
-        """A decode step from the static buffers, padded to ``size`` rows: replayed if captured, else eager."""
-        self.buffers.load(step, size)
-        if size in self.graphs:
-            self.graphs[size].replay()  # every kernel of the forward pass, one launch, on the buffers
+    def run_static(self, step: StepInput, bucket: Bucket) -> torch.Tensor:
+        """A step from the static buffers, padded to ``bucket``: replayed if captured, else eager."""
+        self.buffers.load(step, *bucket)
+        if bucket in self.graphs:
+            self.graphs[bucket].replay()  # every kernel of the forward pass, one launch, on the buffers
         else:
-            self.forward_static(size)
-        return self.buffers.hidden[: len(step.seq_lens)]
+            self.forward_static(*bucket)
+        return self.buffers.hidden[: len(step.input_ids)]
 
-    def forward_static(self, size: int) -> None:
-        """The forward pass on the first ``size`` rows of the static buffers, its output written into them.
-        Exactly what a graph captures: no new inputs, no host reads, no shape that depends on the data."""
+    def forward_static(self, size: int, query_len: int = 1) -> None:
+        """The forward pass on the first ``size`` rows of the static buffers (a bucket whose sequences have at most
+        ``query_len`` rows each), its output written into them. Exactly what a graph captures: no new inputs, no
+        host reads, no shape that depends on the data."""
         buffers = self.buffers
         hidden = self.model(buffers.input_ids[:size], buffers.positions[:size], self.kv_cache,
-                            buffers.metadata(size))  # [size, hidden]
+                            buffers.metadata(size, query_len))  # [size, hidden]
         buffers.hidden[:size].copy_(hidden)
 
     def run_eager(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -298,7 +392,7 @@ class ModelRunner:
             query_start_loc=self._tensor(step.query_start_loc),
             query_lens=self._tensor(query_lens),
             seq_lens=self._tensor(step.seq_lens),
-            block_tables=self._tensor(step.block_tables),
+            block_tables=self._block_tables(step.block_tables),
             max_query_len=max(query_lens),
             logits_indices=self._tensor(step.logits_indices, torch.int64),
         )
@@ -315,8 +409,9 @@ class ModelRunner:
     def measure_cost(self, rows: list[int], guesses: int = 0) -> StepCost:
         """The seconds of a step of r rows for each r of ``rows``, as ``execute`` runs it: decoding sequences with
         ``COST_CONTEXT`` tokens in the cache, one row each, except that with ``guesses`` the first brings that many
-        guesses. One sequence with guesses changes the whole step's path: it runs eagerly (no replayed graph on
-        CUDA), and on a CPU its attention takes the extend path. Each further sequence with guesses adds what
+        guesses. One sequence with guesses makes the step a verification: its bucket's extend attention (on a
+        CPU, a call of its own for that sequence, the decode rows sharing another), where a decode step has the
+        decode kernel; on CUDA both replay a graph. Each further sequence with guesses adds what
         ``measure_sequence_cost`` times."""
         def run(num_rows: int) -> None:
             first = min(num_rows, 1 + guesses)
@@ -331,38 +426,54 @@ class ModelRunner:
     @torch.inference_mode()
     def measure_sequence_cost(self, num_seqs: int, k: int, step_cost: StepCost) -> float:
         """What each sequence with k guesses after the first adds to a step beyond the cost of its 1 + k rows
-        (``step_cost``, whose steps have one such sequence): a step of ``num_seqs`` of them, timed (best of
-        COST_REPEATS after an untimed run), less what ``step_cost`` gives for as many rows."""
+        (``step_cost``, whose steps have one such sequence): a step of ``num_seqs`` of them as ``execute`` runs it,
+        timed (best of COST_REPEATS after an untimed run), less what ``step_cost`` gives for the rows it ran (its
+        bucket's, padding included)."""
         step = dummy_step([1 + k] * num_seqs, self.cost_context, self.kv_cache.num_blocks, self.block_size)
-        seconds = measure_step_cost(lambda _: self.run_eager(step), [num_seqs], COST_REPEATS).seconds(num_seqs)
-        return max(0.0, seconds - step_cost.seconds(num_seqs * (1 + k))) / max(1, num_seqs - 1)
+
+        def run(_: int) -> None:
+            self.execute(step)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+
+        seconds = measure_step_cost(run, [num_seqs], COST_REPEATS).seconds(num_seqs)
+        bucket = self.bucket(step)
+        rows = len(step.input_ids) if bucket is None else bucket.rows
+        return max(0.0, seconds - step_cost.seconds(rows)) / max(1, num_seqs - 1)
 
     @property
     def cost_context(self) -> int:
         """The cached tokens of each sequence in the steps timed for the policy."""
         return min(COST_CONTEXT, self.buffers.width * self.block_size - 1 - COST_ROWS_EACH)
 
+    @property
+    def buckets(self) -> list[Bucket]:
+        """Every bucket, decode and verification, the most rows first."""
+        decode = [Bucket(size, 1) for size in self.sizes]
+        verify = [Bucket(size, self.verify_query_len) for size in self.verify_sizes]
+        return sorted(decode + verify, reverse=True)
+
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket's decode step into a CUDA graph; keep the seconds it took and the bytes of
-        GPU memory it took (the graphs' shared pool: the activations of the largest bucket, mostly).
+        """Capture every bucket's step, decode and verification, into a CUDA graph; keep the seconds it took and
+        the bytes of GPU memory it took (the graphs' shared pool: the activations of the largest bucket, mostly).
 
         Largest first, all into one memory pool: the largest graph's activations size the pool and every
         smaller one reuses them. Each bucket runs once eagerly before its capture, so that lazy work
-        (Triton's compilation, cuBLAS's workspace) happens outside the graph. The buffers hold padding
-        only (slot -1, context 0): capturing writes no K/V and reads none."""
+        (Triton's compilation and tuning, cuBLAS's workspace) happens outside the graph. The buffers hold
+        padding only (slot -1; context 0, or block 0's first slot): capturing writes no K/V."""
         assert self.device.type == "cuda" and use_triton(self.device), "CUDA graphs need CUDA and the Triton kernels"
         start, free_before = time.perf_counter(), torch.cuda.mem_get_info(self.device)[0]
-        self.buffers.load(StepInput([], [], [], [0], [], [], [], [], []), self.sizes[-1])  # all padding
         pool = None
-        for size in reversed(self.sizes):
-            self.forward_static(size)  # warm-up
+        for bucket in self.buckets:
+            self.buffers.load(StepInput([], [], [], [0], [], [], [], [], []), *bucket)  # all padding
+            self.forward_static(*bucket)  # warm-up
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.forward_static(size)
+                self.forward_static(*bucket)
             pool = graph.pool()
-            self.graphs[size] = graph
+            self.graphs[bucket] = graph
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
         self.graph_memory_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
@@ -395,27 +506,39 @@ def start_runner(config: EngineConfig, model: LlamaForCausalLM, device: torch.de
     num_blocks = budget // (shape.bytes_per_block + draft_bytes_per_block)
     num_blocks = model.tp.min(num_blocks)  # one block table serves every rank: each must have every block
     kv_cache = KVCache.allocate(shape, num_blocks * shape.bytes_per_block, device)
-    runner = ModelRunner(model, kv_cache, config.block_size, device, config.max_num_seqs, max_model_len)
+    guesses = config.num_speculative_tokens if config.speculative != "off" else 0
+    runner = ModelRunner(model, kv_cache, config.block_size, device, config.max_num_seqs, max_model_len, guesses,
+                         max_num_batched_tokens)
     # Warm up: compile every kernel now (a decode step and an extend step), not in a user's request.
     for num_tokens in (1, 2):
         run_dummy_step(model, kv_cache, device, num_tokens)
-    if device.type == "cuda" and use_triton(device) and not config.enforce_eager:
+    if captures_graphs(device, config.enforce_eager):
         runner.capture()
-        log.info("captured the decode step for batch sizes %s in %.1f s (%.0f MiB)", runner.sizes,
-                 runner.capture_seconds, runner.graph_memory_bytes / 2**20)
+        log.info("captured the decode step for batch sizes %s and the verification step for rows %s in %.1f s "
+                 "(%.0f MiB)", runner.sizes, runner.verify_sizes, runner.capture_seconds,
+                 runner.graph_memory_bytes / 2**20)
     if config.speculative != "off" and config.num_speculative_tokens > 0 and config.speculative_policy == "cost":
         # What the policy weighs guesses against: steps of up to every sequence with all its guesses.
         most = min(config.max_num_seqs * (1 + config.num_speculative_tokens), max_num_batched_tokens)
         k = min(config.num_speculative_tokens, COST_ROWS_EACH - 1)
         runner.decode_cost = decode = runner.measure_cost(cost_rows(most))
-        # A step with guesses costs a plain step of as many rows plus the price of leaving the fast path, the same at
-        # every size (measured at two, so that noise in one point cannot bend the line the policy extends).
-        shifted = runner.measure_cost([1 + k, max(1 + k, min(most, COST_ROWS[-2]))], guesses=k)
+        # A step with guesses costs a plain step of as many rows plus the price of its verification attention (the
+        # extend kernel where a decode step has the decode kernel; on a CPU, a call of its own for the sequence with
+        # guesses), the same at every size: measured at two verification buckets' sizes (no padding in either), so
+        # that noise in one point cannot bend the line the policy extends.
+        shifted = runner.measure_cost([bucket_for(rows, runner.verify_sizes) or rows
+                                       for rows in (1 + k, max(1 + k, min(most, COST_ROWS[-2])))], guesses=k)
         switch = max(0.0, statistics.median(seconds - decode.seconds(rows) for rows, seconds in shifted.points))
         runner.step_cost = StepCost(tuple((rows, seconds + switch) for rows, seconds in decode.points))
         runner.sequence_cost = runner.measure_sequence_cost(min(COST_GUESSING_SEQS, config.max_num_seqs), k,
                                                             runner.step_cost)
     return runner
+
+
+def captures_graphs(device: torch.device, enforce_eager: bool) -> bool:
+    """Whether a runner on ``device`` captures its buckets: on CUDA, with the Triton kernels, unless
+    ``enforce_eager``."""
+    return device.type == "cuda" and use_triton(device) and not enforce_eager
 
 
 def cost_rows(most: int) -> list[int]:

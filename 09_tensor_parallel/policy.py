@@ -71,9 +71,9 @@ def measure_step_cost(run: Callable[[int], None], rows: list[int], repeats: int)
 class SpeculationCost:
     """What the policy weighs guesses against: a step with guesses, a step without, and a draft model's steps.
 
-    The first two differ on CUDA, where a plain decode step replays a captured graph while a step with guesses runs
-    eagerly, launching every kernel from Python (for SmolLM2-135M on an H100: some 20 ms against 3 to 6 ms).
-    Elsewhere they are the same pass and the same measurement."""
+    The first two differ by their attention: a step with guesses runs in a verification bucket, whose extend kernel
+    (on a CPU, a call of its own for the sequence with guesses) replaces the decode kernel; on CUDA both replay a
+    captured graph."""
 
     verify: StepCost  # a step whose decodes bring guesses, by its rows (the decodes and all the guesses)
     decode: StepCost  # a step without guesses, by its rows (one per decoding sequence)
@@ -126,8 +126,9 @@ def largest_paying_batch(cost: SpeculationCost, rate: float, k: int, most: int) 
 
 def costs_from_results(path: Path) -> dict[str, SpeculationCost]:
     """The policy's costs from a ``common.decode_steps`` result file: its decode steps at the bucket sizes (the sizes
-    the engine measures), eager and from the static buffers. With CUDA graphs, two: as this stage runs a step with
-    guesses (eagerly), and as it would if such steps replayed graphs too; without, one (both are the same pass)."""
+    the engine measures), eager and from the static buffers, a step with guesses taken to cost a decode step of as
+    many rows. With CUDA graphs, two: steps with guesses replayed, as this stage runs them, and run eagerly (every
+    kernel launched from Python: what capturing them saves); without, one (both are the same pass)."""
     steps = [s for s in json.loads(path.read_text())["steps"] if s["batch_size"] == s["bucket"]]
     static = StepCost(tuple((s["batch_size"], s["static_ms"] / 1000) for s in steps))
     if not any(s["graphs"] for s in steps):

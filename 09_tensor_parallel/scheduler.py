@@ -72,8 +72,8 @@ class Sampled:
 
 class Scheduler:
     """The one owner of the engine's sequences: it admits them, gives them blocks, appends what each step
-    chose for them, and finishes and frees them. Everyone else only reads a ``Sequence`` (but for the draft
-    model's progress in its own cache, which the draft proposer counts)."""
+    chose for them, and finishes and frees them. Everyone else only reads a ``Sequence`` (but for the proposers'
+    own state on it: the draft model's progress in its own cache, the n-gram index)."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  eos_token_ids: set[int], cost: SpeculationCost | None = None) -> None:
@@ -259,12 +259,12 @@ class Scheduler:
     # --- guesses (the proposer's) -----------------------------------------------------------
     def set_guesses(self, seqs: list[Sequence], proposals: list[Proposal]) -> None:
         """The proposer's guesses for the sequences this step reserved room for: each runs its last token and its
-        guesses. Fewer guesses than room: the rest of the room goes unused."""
+        guesses. Fewer guesses than room: the rest of the room goes unused (the room stays counted until
+        ``update``: a sequence given room and no guess at all has its acceptance rate lowered there)."""
         for seq, proposal in zip(seqs, proposals, strict=True):
             assert len(proposal.token_ids) <= seq.num_lookahead_slots, "more guesses than the room reserved"
             seq.draft_ids, seq.draft_probs = proposal.token_ids, proposal.probs
             seq.num_scheduled_tokens = 1 + len(proposal.token_ids)
-            seq.num_lookahead_slots = 0
 
     # --- after the step ---------------------------------------------------------------------
     def update(self, batch: Batch, sampled: list[Sampled]) -> list[RequestOutput]:
@@ -307,8 +307,14 @@ class Scheduler:
             # Neither cache may count a rejected token as computed; the next token's slot is kept.
             seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
             self.block_manager.shrink(seq.block_table, seq.num_computed_tokens + 1)
+        elif seq.num_lookahead_slots:
+            # Room was reserved and the proposer had nothing (its text does not recur): as good as a first guess
+            # rejected. Counted so, its rate falls and the policy stops reserving room (and calling the proposer)
+            # for it, until the drift brings it back; left out, the rate would drift *up* at every such step.
+            seq.speculation.record(1, 0)
         else:
             seq.speculation.record(0, 0)  # a step without guesses: its acceptance rate drifts back to the prior
+        seq.num_lookahead_slots = 0
         filled = seq.num_computed_tokens // block_size > before // block_size
         if filled:  # a block is full (a chunk may fill several; a decode does once every block_size steps): index it
             # Only computed tokens are indexed, and those are the accepted ones: no block with a rejected guess.

@@ -1,7 +1,8 @@
 """A worker: a rank > 0 of a tensor-parallel engine, in a process of its own.
 
-A worker is only a model runner: no scheduler, no tokenizer, no sampler. It joins the process group, loads
-its slice of the model and starts up exactly as rank 0 does (``model_runner.start_runner``: the pool sized
+A worker is only a model runner: no scheduler, no tokenizer, no sampler. It checks in with rank 0, joins
+the process group, loads its slice of the model, waits until every rank has loaded its own
+(``tp.wait_for_all``), and starts up exactly as rank 0 does (``model_runner.start_runner``: the pool sized
 and agreed on with ``tp.min``, the warm-up, the graphs; the forward passes in it hold all-reduces, so every
 rank must run the same one). Then it runs each step rank 0 sends it until rank 0 says ``Stop``; rank 0
 alone decides and samples.
@@ -16,7 +17,7 @@ from common.device import pick_device, pick_dtype
 from common.weights import resolve_model
 
 from .config import EngineConfig
-from .distributed import Stop, TPGroup, device_of, exit_with_parent, join
+from .distributed import Stop, TPGroup, check_in, device_of, exit_with_parent, join
 from .model import LlamaForCausalLM
 from .model_runner import ModelRunner, start_runner
 
@@ -35,14 +36,16 @@ def run_worker(rank: int, init_method: str, config: EngineConfig, max_num_batche
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every process of the terminal: rank 0 decides
     exit_with_parent()  # rank 0 killed outright: leave too
     device = pick_device(config.device)
-    tp = join(rank, config.tensor_parallel_size, init_method, device, config.dist_timeout,
+    tp = join(rank, config.tensor_parallel_size, device, config.dist_timeout, store=check_in(init_method),
               local_rank=int(os.environ.get("LOCAL_RANK", rank)))
     try:
         device = device_of(device, tp)  # on CUDA each rank its own GPU
         model = LlamaForCausalLM.from_pretrained(resolve_model(config.model), dtype=pick_dtype(config.dtype, device),
                                                  device=device, tp=tp)
+        tp.wait_for_all()  # every rank's weights loaded: from here on, the ranks' collectives wait for no loading
         runner = start_runner(config, model, device, max_num_batched_tokens)  # as rank 0 does
         print(memory_report(runner), flush=True)
+        tp.wait_for_all()  # every rank started up: rank 0's first step finds this one waiting for it
         serve(runner, tp)
     finally:
         tp.close()

@@ -67,3 +67,6 @@ class EngineConfig:
                 "its number of processes"})
     dist_timeout: float = field(default=60.0, metadata={
         "help": "seconds a collective of the forward pass may wait for the other ranks before the engine stops"})
+    process_group: bool = field(default=False, metadata={
+        "help": "a process group even for one rank (gloo on a CPU, NCCL on CUDA): it issues every collective of a "
+                "split engine, to test that path on one device; torchrun --nproc-per-node 1 does the same"})

@@ -17,10 +17,11 @@ policy (``policy.py``) decides each step, from what a step costs (measured at st
 sequence's guesses have been kept.
 
 The model may be split across N processes (``--tensor-parallel-size``). This engine is rank 0: it
-starts the other ranks, and every rank starts up the same way (``worker.py``: the number of KV blocks is
-the smallest any rank can hold). Then only rank 0 schedules; the others are model runners that run each
-step it sends them. A rank that dies, or a step that fails on one, stops the engine (the ranks can no
-longer be in step) and every rank.
+starts the other ranks, and every rank starts up the same way (``worker.py``: once all have loaded their
+weights; the number of KV blocks is the smallest any rank can hold). Then only rank 0 schedules; the
+others are model runners that run each step it sends them. A rank that dies, or a step that fails on one
+or does not finish within ``--dist-timeout``, stops the engine (the ranks can no longer be in step) and
+every rank.
 
 ``Engine`` is the synchronous core (``add_request``, ``step``, ``abort``); ``AsyncEngine``
 (``async_engine.py``) runs its step loop on a thread for the asyncio server.
@@ -29,6 +30,7 @@ longer be in step) and every rank.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer
@@ -40,7 +42,7 @@ from common.weights import resolve_model
 from .block_manager import BlockManager
 from .config import CPU_TOKEN_BUDGET, CUDA_TOKEN_BUDGET, EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .distributed import RanksOutOfStep, TPGroup, device_of, start_ranks, under_torchrun
+from .distributed import STEP_POLL_S, RanksOutOfStep, TPGroup, device_of, start_ranks, under_torchrun, wait_until
 from .kv_cache import KVCache
 from .model import LlamaForCausalLM, ModelConfig
 from .model_runner import StepInput, cost_rows, start_runner
@@ -114,7 +116,16 @@ class Engine:
         model_dir = resolve_model(config.model)
         check_tensor_parallel(config, ModelConfig.from_pretrained(model_dir), self.device)  # before any process starts
         self.ranks = start_ranks(config.tensor_parallel_size, self.device, config.dist_timeout, run_worker,
-                                 (config, self.max_num_batched_tokens))
+                                 (config, self.max_num_batched_tokens), config.process_group)
+        try:
+            self._start_up(config, model_dir)
+        except BaseException:  # a failed start leaves no worker behind, waiting for a rank 0 that gave up
+            self.ranks.stop(graceful=False)
+            raise
+
+    def _start_up(self, config: EngineConfig, model_dir: Path) -> None:
+        """Everything after the ranks have met: the tokenizer, this rank's weights, the runner and its pool (in step
+        with every other rank's start-up, ``worker.py``), the proposer and the scheduler."""
         self.device = device_of(self.device, self.ranks.tp)  # on CUDA each rank its own GPU
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         self.model = LlamaForCausalLM.from_pretrained(model_dir, dtype=self.dtype, device=self.device, tp=self.ranks.tp)
@@ -124,6 +135,7 @@ class Engine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         draft = self.make_draft(config)  # before the pool: a separate draft's weights are not the pool's to take
         draft_shape = draft.config.cache_shape(config.block_size, self.dtype) if draft is not None else None
+        self.tp.wait_for_all()  # every rank's weights loaded (worker.py waits here too): the forward passes may start
         self.runner = start_runner(config, self.model, self.device, self.max_num_batched_tokens,
                                    draft_shape.bytes_per_block if draft_shape else 0)
         self.kv_cache = self.runner.kv_cache
@@ -136,9 +148,11 @@ class Engine:
             num_blocks = self.kv_cache.num_blocks  # the draft's K/V live in blocks of the same ids
             self.draft_kv_cache = KVCache.allocate(draft_shape, num_blocks * draft_shape.bytes_per_block, self.device)
             self.proposer = DraftProposer(draft, self.draft_kv_cache, config.block_size, self.device,
-                                          config.max_num_seqs, self.max_model_len, self.max_num_batched_tokens)
+                                          config.max_num_seqs, self.max_model_len, self.max_num_batched_tokens,
+                                          config.enforce_eager)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
                                    self.eos_token_ids, self.speculation_cost())
+        self.tp.wait_for_all()  # every rank started up (graphs captured and all): the first step may go out
 
     @property
     def tp(self) -> TPGroup:
@@ -156,6 +170,17 @@ class Engine:
 
     def memory_report(self) -> str:
         return memory_report(self.runner)
+
+    def _wait_for_ranks(self) -> None:
+        """On a GPU with a process group: wait until the step's GPU work, its collectives too, is done, within
+        ``--dist-timeout`` and only while every worker runs (RanksOutOfStep otherwise). Blocking on the logits
+        instead would wait forever for a dead peer: a collective replayed in a CUDA graph has no timeout. (On a
+        CPU each gloo collective returns when done, or fails after its timeout.)"""
+        if self.device.type != "cuda" or self.tp.group is None:
+            return
+        done = torch.cuda.Event()
+        done.record()  # after every kernel of the step on this stream
+        wait_until(done.query, self.config.dist_timeout, self.ranks.exited, "the step's GPU work", STEP_POLL_S)
 
     def make_draft(self, config: EngineConfig) -> LlamaForCausalLM | None:
         """The draft model of ``--speculative draft``: a local folder's, or the model's own first layers."""
@@ -262,6 +287,7 @@ class Engine:
             inputs = self.runner.prepare(batch)
             self.ranks.send(inputs)  # every other rank runs the same step on its slices
             logits, prompt_logits = self.runner.execute(inputs)  # [R, V]: 1 + k rows per sampling sequence; [M, V]
+            self._wait_for_ranks()
             sampled = self._verify(batch, inputs, logits, prompt_logits)
         except Exception as exc:  # one pass for the whole batch: all of it fails (their caches are half written)
             if isinstance(exc, RanksOutOfStep):  # a rank died, or failed mid-step

@@ -5,8 +5,14 @@ rows that have them adjust their logits, in one operation for all of them. Greed
 (temperature 0) take the argmax. The others are divided by their temperature, cut down to their
 ``top_k`` best tokens and to the smallest set whose probability reaches their ``top_p``, all rows
 at once. The token itself is chosen by verification (``speculative.py``): a row without guesses
-draws one token with noise from *its own* random stream, so a seeded request gives the same text
-whatever else shares its batch.
+draws one token with noise (``race_noise``): a seeded request's from *its own* random stream, so
+that it gives the same text whatever else shares its batch, the unseeded rows' from one draw for
+all of them.
+
+On a GPU nothing here stalls the CPU: the per-row numbers (temperatures, row indices, ...) go over
+in asynchronous copies from page-locked memory (``to_device``), no device tensor is indexed with a
+Python list (which would copy the list the slow way first), and the only reads back to the host
+are the logprobs a request asked for.
 
 A *logprob* is the log-softmax of the raw logits, before penalties, temperature, top-k and top-p
 (vLLM's convention), in float32; it is computed only for the rows whose requests asked for it.
@@ -68,6 +74,17 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return generator
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Python numbers as a tensor on ``device``, without stalling the CPU.
+
+    ``torch.tensor(values, device="cuda")`` copies from ordinary (pageable) memory, and such a copy waits
+    until the GPU has finished everything queued before it: the CPU could no longer run ahead. Built in
+    page-locked (pinned) memory instead, the tensor goes over with an asynchronous copy, queued behind the
+    GPU's work (vLLM's ``async_tensor_h2d``). On the CPU it is just ``torch.tensor``."""
+    pinned = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return pinned.to(device, non_blocking=True)
+
+
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], output_ids: list[list[int]]) -> torch.Tensor:
     """OpenAI's penalties over each row's generated tokens, then ``logit_bias``; before temperature.
 
@@ -78,21 +95,25 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], output_i
     # logits: [B, V]; output_ids: B lists, the tokens each row has generated so far
     if not any(p.penalized for p in params):
         return logits
+    device = logits.device
     logits = logits.float().clone()  # the raw logits stay as they are: logprobs are computed from them
     rows = [i for i, p in enumerate(params) if (p.presence_penalty or p.frequency_penalty) and output_ids[i]]
     if rows:
         width = max(len(output_ids[i]) for i in rows)
-        ids = torch.tensor([output_ids[i] + [0] * (width - len(output_ids[i])) for i in rows], device=logits.device)
-        real = torch.tensor([[1.0] * len(output_ids[i]) + [0.0] * (width - len(output_ids[i])) for i in rows],
-                            device=logits.device)
-        counts = torch.zeros(len(rows), logits.shape[-1], device=logits.device).scatter_add_(1, ids, real)  # [b, V]
-        frequency = torch.tensor([params[i].frequency_penalty for i in rows], device=logits.device)[:, None]
-        presence = torch.tensor([params[i].presence_penalty for i in rows], device=logits.device)[:, None]
-        logits[rows] -= frequency * counts + presence * (counts > 0).float()
+        ids = to_device([output_ids[i] + [0] * (width - len(output_ids[i])) for i in rows], torch.int64, device)
+        real = to_device([[1.0] * len(output_ids[i]) + [0.0] * (width - len(output_ids[i])) for i in rows],
+                         torch.float32, device)
+        counts = torch.zeros(len(rows), logits.shape[-1], device=device).scatter_add_(1, ids, real)  # [b, V]
+        # frequency and presence: [2, b]
+        frequency, presence = to_device([[params[i].frequency_penalty for i in rows],
+                                         [params[i].presence_penalty for i in rows]], torch.float32, device)
+        penalty = frequency[:, None] * counts + presence[:, None] * (counts > 0).float()  # [b, V]
+        logits.index_add_(0, to_device(rows, torch.int64, device), -penalty)
     biased = [(i, token_id, bias) for i, p in enumerate(params) for token_id, bias in p.logit_bias.items()]
     if biased:
-        row, col, value = (torch.tensor(column, device=logits.device) for column in zip(*biased, strict=True))
-        logits.index_put_((row, col), value.float(), accumulate=True)
+        rows_and_ids = to_device([[i for i, _, _ in biased], [t for _, t, _ in biased]], torch.int64, device)
+        biases = to_device([bias for _, _, bias in biased], torch.float32, device)
+        logits.index_put_(tuple(rows_and_ids), biases, accumulate=True)
     return logits
 
 
@@ -125,16 +146,35 @@ def logits_to_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     """The distributions that sampling draws from: temperature, then top-k, then top-p, row by row."""
     # logits: [B, V] -> probs: [B, V]
     assert all(p.temperature > 0 for p in params), "greedy requests never build a distribution"
-    device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=device)
+    # Every row's settings in one copy. top_k is clamped to the vocabulary first (any larger k means "keep
+    # all", and may not fit in int64), which also keeps it exact in float32.
+    vocab = logits.shape[-1]
+    settings = [[p.temperature for p in params], [min(p.top_k, vocab) for p in params], [p.top_p for p in params]]
+    temperature, top_k, top_p = to_device(settings, torch.float32, logits.device)  # [B] each
     logits = logits.float() / temperature[:, None]
     if any(p.top_k > 0 for p in params):
-        # Clamped to the vocabulary first: any larger k means "keep all", and may not fit in int64.
-        vocab = logits.shape[-1]
-        logits = apply_top_k(logits, torch.tensor([min(p.top_k, vocab) for p in params], device=device))
+        logits = apply_top_k(logits, top_k.long())
     if any(p.top_p < 1.0 for p in params):
-        logits = apply_top_p(logits, torch.tensor([p.top_p for p in params], device=device))
+        logits = apply_top_p(logits, top_p)
     return torch.softmax(logits, dim=-1)
+
+
+def race_noise(vocab: int, seeded: list[bool], generators: list[torch.Generator],
+               device: torch.device) -> torch.Tensor:
+    """The noise of the exponential race, E ~ Exp(1) for every row and token: ``argmax(p / E)`` picks token i
+    with probability p_i (p need not even be normalized).
+
+    A seeded request's row comes from its own generator, one draw (one kernel launch) per seeded row, so that
+    no other row can change it. The unseeded rows need no such guarantee: they share one draw for all of
+    them, from the first unseeded row's generator (every generator of an unseeded request is seeded at random)."""
+    noise = torch.empty(len(seeded), vocab, device=device)  # [B, V]
+    unseeded = [generator for own, generator in zip(seeded, generators, strict=True) if not own]
+    if unseeded:
+        noise.exponential_(generator=unseeded[0])  # every row at once; a seeded row is drawn again below
+    for row, (own, generator) in enumerate(zip(seeded, generators, strict=True)):
+        if own:
+            noise[row].exponential_(generator=generator)
+    return noise
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: list[int], ks: list[int | None]) -> list[TokenLogprobs | None]:
@@ -145,13 +185,16 @@ def compute_logprobs(logits: torch.Tensor, token_ids: list[int], ks: list[int | 
     results: list[TokenLogprobs | None] = [None] * len(ks)
     if not rows:
         return results
-    logprobs = torch.log_softmax(logits[rows].float(), dim=-1)  # [b, V]
-    ids = torch.tensor([token_ids[i] for i in rows], dtype=torch.int64, device=logits.device)  # [b]
-    chosen = logprobs.gather(-1, ids[:, None])[:, 0].tolist()  # [b]
+    # rows and ids: [2, b]
+    indices, ids = to_device([rows, [token_ids[i] for i in rows]], torch.int64, logits.device)
+    logprobs = torch.log_softmax(logits.index_select(0, indices).float(), dim=-1)  # [b, V]
+    chosen = logprobs.gather(-1, ids[:, None])  # [b, 1]
     widest = max(ks[i] for i in rows)
     top_values, top_ids = torch.topk(logprobs, widest, dim=-1)  # [b, widest], sorted best first
+    values = torch.cat([chosen, top_values], dim=-1).tolist()  # two reads in all, whatever b
+    top_ids = top_ids.tolist()
     for j, i in enumerate(rows):
         k = ks[i]
-        top = list(zip(top_ids[j, :k].tolist(), top_values[j, :k].tolist(), strict=True))
-        results[i] = TokenLogprobs(token_ids[i], chosen[j], top)
+        top = list(zip(top_ids[j][:k], values[j][1 : k + 1], strict=True))
+        results[i] = TokenLogprobs(token_ids[i], values[j][0], top)
     return results

@@ -8,7 +8,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -17,6 +17,9 @@ from common.trace import RequestTrace
 from .detokenizer import IncrementalDetokenizer
 from .sampler import SamplingParams, TokenLogprobs
 from .speculative import Speculation
+
+if TYPE_CHECKING:
+    from .proposer import NgramIndex
 
 # Why a sequence ended: EOS or a stop string, max_tokens, or a failure (the output then carries the error).
 FinishReason = Literal["stop", "length", "error"]
@@ -72,7 +75,8 @@ class SequenceStatus(Enum):
 class Sequence:
     """One request inside the engine: its tokens, its blocks, and how to sample and detokenize it. The
     scheduler alone changes it (admits, appends, finishes, frees); the other components only read it, but
-    for the draft proposer, which counts the draft model's progress in its own cache."""
+    for the proposers: the draft proposer counts the draft model's progress in its own cache, the n-gram
+    proposer keeps the index of its n-grams."""
 
     request_id: str
     prompt_ids: list[int]
@@ -95,6 +99,7 @@ class Sequence:
     draft_ids: list[int] = field(default_factory=list)  # this step's guesses, checked after the last token
     draft_probs: torch.Tensor | None = None  # [len(draft_ids), V]: what a sampling draft model drew them from
     num_draft_computed_tokens: int = 0  # tokens whose K/V are in the draft model's cache (a draft proposer only)
+    ngram_index: NgramIndex | None = None  # where each of its n-grams last ended (the n-gram proposer's, made lazily)
 
     @property
     def token_ids(self) -> list[int]:

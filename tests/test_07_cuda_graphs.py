@@ -1,18 +1,21 @@
 """Stage 07: a decode step runs from static buffers, padded to a bucket (and, on CUDA, replays a captured graph).
 
 The buckets cover every batch size; padding rows write no K/V and attend to nothing; the buffers hold
-exactly the current step; the static path gives the eager path's logits at every batch size, and it
-leaves every block outside the batch untouched. On CUDA (``pytest -m cuda``): capture, and replay
+exactly the current step (ragged block tables padded in one tensor operation, the logits' rows loaded with
+it); the static path gives the eager path's logits at every batch size, and it leaves every block outside
+the batch untouched. On CUDA (``pytest -m cuda``): capture, and replay
 equal to eager, also when a sequence's block table grows between replays."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from .conftest import make_engine, stage
+from .stages import stages_having
 from .test_attention import dense_attention, paged_case
 
 FOLDER = "07_cuda_graphs"
@@ -22,14 +25,13 @@ attention = stage(FOLDER, "attention")
 
 def decode_step(rows: list[tuple[int, list[int]]], block_size: int = 16):
     """A decode step whose sequences have (context length, block table) ``rows``; each writes its new token's
-    K/V into the last position of its context."""
+    K/V into the last position of its context. The tables as ``prepare`` gives them: each as long as it is."""
     seq_lens = [length for length, _ in rows]
     slots = [table[(length - 1) // block_size] * block_size + (length - 1) % block_size for length, table in rows]
-    width = max(len(table) for _, table in rows)
     return model_runner.StepInput(
         input_ids=[(7 * i + 3) % 1000 for i in range(len(rows))], positions=[length - 1 for length in seq_lens],
         slot_mapping=slots, query_start_loc=list(range(len(rows) + 1)), seq_lens=seq_lens,
-        block_tables=[table + [0] * (width - len(table)) for _, table in rows],
+        block_tables=[list(table) for _, table in rows],
         logits_indices=list(range(len(rows))), prompt_logits_indices=[], num_prompt_logits=[0] * len(rows))
 
 
@@ -135,6 +137,26 @@ def test_load_pads_to_the_bucket_and_keeps_nothing_of_the_previous_step():
     assert meta.max_query_len == 1 and meta.query_lens.tolist() == [1, 1]
 
 
+@pytest.mark.parametrize("folder", stages_having("static_buffers"))
+def test_ragged_tables_and_the_logits_rows_load_with_the_step_and_leave_nothing_stale(folder):
+    """``prepare`` gives each sequence's table as long as it is; ``load`` pads them with block 0 to the buffers' width
+    in one tensor operation: the buffers hold exactly what padding each row in Python gave, and a narrow table
+    after a wide one in the same row leaves nothing of it. The rows whose logits the step needs go in with the
+    step's other numbers (before the pass: no tensor is made from a list after it), so ``execute`` indexes a view."""
+    runner_module = stage(folder, "model_runner")
+    buffers = runner_module.StaticBuffers.allocate(8, 6, hidden_size=6, dtype=torch.float32,
+                                                   device=torch.device("cpu"))
+    step = decode_step([(49, [2, 4, 6, 7]), (3, [1]), (20, [3, 5])])
+    buffers.load(replace(step, logits_indices=[0, 2]), size=4)  # row 1: a chunk that ends mid-prompt
+    assert buffers.block_tables[:4].tolist() == [[2, 4, 6, 7, 0, 0], [1, 0, 0, 0, 0, 0], [3, 5, 0, 0, 0, 0],
+                                                 [0] * 6]
+    assert buffers.logits_indices[:2].tolist() == [0, 2]
+    buffers.load(decode_step([(3, [9]), (40, [8, 10, 11])]), size=2)  # narrower where it was wide, and the reverse
+    assert buffers.block_tables[:2].tolist() == [[9, 0, 0, 0, 0, 0], [8, 10, 11, 0, 0, 0]]
+    assert buffers.logits_indices[:2].tolist() == [0, 1]
+    assert buffers.block_tables.dtype == torch.int32 and buffers.seq_lens[:2].tolist() == [3, 40]
+
+
 @pytest.mark.exercise("7.3")
 def test_a_table_wider_than_the_buffers_is_refused():
     buffers = model_runner.StaticBuffers.allocate(4, 2, hidden_size=6, dtype=torch.float32,
@@ -167,7 +189,7 @@ def real_rows(engine, n: int) -> list[tuple[int, list[int]]]:
 @pytest.mark.parametrize("batch_size", [1, 2, 3, 5, 8, 9, 16])
 def test_the_static_path_gives_the_eager_paths_logits(engine, batch_size):
     runner = engine.runner
-    step = decode_step(real_rows(engine, batch_size))
+    step = decode_step(real_rows(engine, batch_size))  # ragged tables: run_eager pads them too
     bucket = runner.bucket(step)
     assert bucket == model_runner.bucket_for(batch_size, runner.sizes)
     eager, _ = runner.run_eager(step)

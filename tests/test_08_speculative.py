@@ -1,13 +1,16 @@
 """Stage 08: speculative decoding. A proposer guesses, one pass checks, verification keeps the model's output.
 
-The pieces alone (the n-gram matcher, both acceptance rules, the scheduler's room for guesses, each sequence's
-acceptance rate and the policy that decides how many guesses pay), then the engine: greedy output equals Hugging
-Face's with every proposer, alone and in batches, when EOS, a stop string or max_tokens falls inside an accepted run;
-sampling keeps the model's distribution (a chi-square test at a fixed level, on fixed seeds, so that it cannot flake);
-a rejected run gives its blocks back and the prefix cache never holds a rejected token; the cost policy measures the
-step at start-up and guesses nothing where rows are dear."""
+The pieces alone (the n-gram matcher and the proposer's incremental index, both acceptance rules, the scheduler's
+room for guesses and what an empty proposal counts for, each sequence's acceptance rate and the policy that decides
+how many guesses pay), steps with guesses (and the draft's steps) from the static buffers as eager, then the
+engine: greedy output equals Hugging Face's with every proposer, alone and in batches, when EOS, a stop string or
+max_tokens falls inside an accepted run; sampling keeps the model's distribution (a chi-square test at a fixed level,
+on fixed seeds, so that it cannot flake); a rejected run gives its blocks back and the prefix cache never holds a
+rejected token; the cost policy measures the step at start-up and guesses nothing where rows are dear."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
@@ -15,7 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from .conftest import make_engine, stage
+from .scheduling import SilentDetokenizer
 from .stages import stages_having
+from .steps import verification_step
 
 FOLDER = "08_speculative"
 speculative = stage(FOLDER, "speculative")
@@ -66,6 +71,28 @@ def test_the_ngram_matcher_respects_n_max_and_n_min():
     assert proposer.ngram_propose(tokens, 1, n_max=3, n_min=2) == [6]  # "3 4 5": its latest occurrence -> 6
     assert proposer.ngram_propose([3, 1, 2, 3], 2, n_max=4, n_min=1) == [1, 2]  # one token is enough at n_min 1
     assert proposer.ngram_propose([3, 1, 2, 3], 2, n_max=4, n_min=2) == []
+
+
+@pytest.mark.parametrize(("n_max", "n_min"), [(4, 2), (3, 1), (2, 2)])
+def test_the_ngram_index_proposes_exactly_what_the_matcher_finds_as_tokens_arrive(n_max, n_min):
+    """The proposer's incremental index against ``ngram_propose`` (the reference), on 300 random histories over 3
+    tokens (matches everywhere, overlapping ones too): a proposal after the prompt and after every run of 1 to 5
+    appended tokens, whose first token differs from the first guess where there was one (a rejected guess, which
+    never enters the history)."""
+    rng = random.Random(f"{n_max}-{n_min}")
+    ngrams = proposer.NgramProposer(n_max, n_min)
+    for trial in range(300):
+        seq = decoding(f"s{trial}", rng.randint(1, 6), 0, k=4)
+        seq.prompt_ids = [rng.randrange(3) for _ in seq.prompt_ids]
+        for _ in range(12):
+            k = rng.randint(1, 5)
+            [proposal] = ngrams.propose([seq], [k])
+            assert proposal.token_ids == proposer.ngram_propose(seq.token_ids, k, n_max, n_min), seq.token_ids
+            assert seq.ngram_index.length == seq.num_tokens - 1, "every token but the last indexed, once"
+            run = [rng.randrange(3) for _ in range(rng.randint(1, 5))]
+            if proposal.token_ids:
+                run[0] = (proposal.token_ids[0] + 1) % 3
+            seq.output_ids += run
 
 
 # --- the acceptance rules --------------------------------------------------------------------------------------
@@ -279,6 +306,31 @@ def test_guesses_never_preempt_anyone_and_the_policy_decides_who_guesses():
     assert blocks.num_free == 0 and scheduler.num_preemptions == 0
 
 
+def test_room_for_guesses_the_proposer_cannot_fill_counts_as_a_miss_and_stops_being_reserved():
+    """A sequence whose text never recurs: the n-gram proposer returns nothing for it. Under a CPU's cost its first
+    steps get room (the prior says its guesses are worth it); each empty proposal counts as a rejected guess, so
+    after two misses the policy gives it no room for the next steps, until the drift back to the prior makes its
+    guesses worth a try again (some ten steps later, then less and less often). Counted as a step without guesses,
+    the miss would leave its rate at the prior, and room would be reserved (and the proposer called) at every step."""
+    blocks = block_manager_module.BlockManager(100, block_size=16)
+    scheduler = scheduler_module.Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=64, eos_token_ids=set(),
+                                           cost=CPU_COST)
+    seq = decoding("open chat", 20, 1, k=4)
+    seq.detokenizer = SilentDetokenizer()
+    admitted(scheduler, seq)
+    room = []
+    for step in range(20):
+        batch = scheduler.schedule()
+        room.append(seq.num_lookahead_slots)
+        if seq.num_lookahead_slots:
+            scheduler.set_guesses([seq], [speculative.Proposal([])])
+        assert seq.num_scheduled_tokens == 1, "no guess: its last token alone"
+        scheduler.update(batch, [scheduler_module.Sampled([100 + step], [None])])
+        assert seq.num_lookahead_slots == 0, "the room lasts one step"
+    assert room[0] == 4 and not any(room[2:8]) and sum(map(bool, room)) <= 4, room  # [4, 4, 0 x 8, 4, 0 ...]
+    assert seq.speculation.acceptance < speculative.PRIOR_ACCEPTANCE
+
+
 def test_shrink_gives_back_the_blocks_past_the_accepted_tokens_newest_first():
     blocks = block_manager_module.BlockManager(10, block_size=4)
     table: list[int] = []
@@ -470,13 +522,102 @@ def test_a_draft_model_that_does_not_fit_is_refused_at_start_up(model_dir, tiny)
         make_engine(FOLDER, model_dir, kv_cache_mb=16, speculative="draft", draft_layers=31)
 
 
+# --- steps with guesses from the static buffers ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attention", ["torch", "triton"])
+@pytest.mark.parametrize("folder", stages_having("speculation"))
+def test_a_step_with_guesses_runs_from_the_static_buffers_as_it_runs_eagerly(folder, attention, tiny, monkeypatch):
+    """Sequences with 2, 0, 1 and 4 guesses (11 rows) run in the verification bucket of 16 rows (K = 4: at most 5
+    a sequence): the same logits as the eager step, finite padding rows, and no K/V written outside the step's own
+    slots (padding writes nothing). With the PyTorch attention, and with the Triton kernels that CUDA captures
+    (interpreted on a CPU): one padding sequence per padding row, then empty ones, the grid fixed at 5 rows a
+    sequence. A step of one row a sequence keeps its decode bucket; a sequence with more rows than 1 + K (a prompt
+    chunk) makes the step eager."""
+    engine = make_engine(folder, tiny[0], kv_cache_mb=16, max_num_seqs=8, speculative="ngram",
+                         num_speculative_tokens=4, speculative_policy="always")
+    monkeypatch.setenv("LLM_ATTENTION", attention)
+    runner, cache, runner_module = engine.runner, engine.kv_cache, stage(folder, "model_runner")
+    seqs = [(37, 2, [1, 2, 3]), (16, 0, [4, 5]), (5, 1, [6]), (80, 4, [7, 8, 9, 10, 11, 12])]
+    step = verification_step(runner_module, seqs)
+    assert runner.bucket(step) == runner_module.Bucket(16, 5)
+    assert runner.verify_sizes == [2, 4, 5, 8, 10, 16, 20, 32, 40], "the decode sizes, and each times 5 rows"
+    assert runner.buckets[0] == (40, 5), "8 sequences x 5 rows"
+    assert runner.buffers.input_ids.shape[0] == 40, "the buffers hold the largest bucket, the capture's first"
+    assert runner.bucket(verification_step(runner_module, [(s[0], 0, s[2]) for s in seqs])) == (4, 1)
+    assert runner.bucket(verification_step(runner_module, [(37, 5, [1, 2, 3])])) is None
+    torch.manual_seed(0)
+    cache.data.normal_()  # K/V to attend to, in every block
+    before = cache.data.clone()
+    calls = []
+    run_static = runner.run_static
+    runner.run_static = lambda *args: calls.append(args[1]) or run_static(*args)
+    static, _ = runner.execute(step)
+    assert calls == [(16, 5)], "the step took the static path"
+    assert torch.isfinite(runner.buffers.hidden[:16]).all(), "padding rows stay finite"
+    written = torch.zeros(cache.num_blocks * 16, dtype=torch.bool)
+    written[step.slot_mapping] = True
+    for layer in range(cache.shape.num_layers):
+        for pool, old in zip(cache.layer(layer), (before[0, layer], before[1, layer]), strict=True):
+            assert torch.equal(pool.flatten(0, 1)[~written], old.flatten(0, 1)[~written]), "padding wrote K/V"
+    eager, _ = runner.run_eager(step)
+    assert static.shape == eager.shape == (11, 256)
+    torch.testing.assert_close(static, eager, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("folder", stages_having("speculation"))
+def test_verification_steps_take_the_static_path_in_the_engine_and_keep_its_greedy_tokens(folder, tiny):
+    """Prompts that repeat themselves, n-gram guesses at every step: the steps with guesses run from the static
+    buffers (the verification buckets), and the greedy answers are those of the engine without speculation."""
+    prompts = [[40 + i, 101, 102, 103, 104] * 3 for i in range(5)]
+    params = sampler.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    plain = make_engine(folder, tiny[0], kv_cache_mb=16, speculative="off").generate_offline(prompts, params)
+    engine = make_engine(folder, tiny[0], kv_cache_mb=16, max_num_seqs=8, speculative="ngram",
+                         num_speculative_tokens=4, speculative_policy="always")
+    buckets = []
+    run_static = engine.runner.run_static
+    engine.runner.run_static = lambda *args: buckets.append(args[1]) or run_static(*args)
+    assert engine.generate_offline(prompts, params) == plain
+    assert engine.stats().speculation.proposed > 0
+    assert any(bucket.query_len == 5 for bucket in buckets), "steps with guesses ran from the static buffers"
+
+
+@pytest.mark.parametrize("folder", stages_having("speculation"))
+def test_the_draft_runner_captures_its_decode_buckets_and_its_one_token_steps_run_static(folder, tiny, monkeypatch):
+    """Where graphs are captured (CUDA, Triton, not --enforce-eager; pretended here), the draft model's runner
+    captures its buckets too, and not under --enforce-eager. Its one-token steps run from its static buffers, and
+    give the guesses its eager steps give: the same guesses proposed and accepted, the same answers."""
+    runner_module, proposer_module = stage(folder, "model_runner"), stage(folder, "proposer")
+    captured = []
+    monkeypatch.setattr(proposer_module, "captures_graphs", lambda device, enforce_eager: not enforce_eager)
+    monkeypatch.setattr(runner_module.ModelRunner, "capture", lambda runner: captured.append(runner))
+    config = dict(kv_cache_mb=16, max_num_seqs=8, speculative="draft", draft_layers=1, num_speculative_tokens=3,
+                  speculative_policy="always")
+    make_engine(folder, tiny[0], enforce_eager=True, **config)
+    assert captured == [], "--enforce-eager captures nothing"
+    engine = make_engine(folder, tiny[0], **config)
+    assert captured == [engine.proposer.runner], "the draft's runner, and only it (the target's: no CUDA here)"
+    prompts = [[40 + i, 101, 102, 103] * 2 for i in range(4)]
+    params = sampler.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    buckets = []
+    run_static = engine.proposer.runner.run_static
+    engine.proposer.runner.run_static = lambda *args: buckets.append(args[1]) or run_static(*args)
+    answers, stats = engine.generate_offline(prompts, params), engine.stats().speculation
+    assert buckets and all(bucket.query_len == 1 for bucket in buckets), "the draft's decode steps ran static"
+    eager = make_engine(folder, tiny[0], enforce_eager=True, **config)
+    eager.proposer.runner.bucket = lambda step: None  # every draft step eager
+    assert eager.generate_offline(prompts, params) == answers
+    assert (eager.stats().speculation.proposed, eager.stats().speculation.accepted) == (stats.proposed,
+                                                                                         stats.accepted)
+
+
 # --- the cost policy in the engine ------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("folder", stages_having("speculation"))
 def test_the_engine_measures_its_steps_and_guesses_nothing_where_rows_are_dear(folder, tiny):
     """At start-up the engine times decode steps of a few batch sizes, and steps with guesses (the same line, shifted
-    by the price of leaving the fast path); the policy weighs guesses against that cost.
+    by the price of the verification attention); the policy weighs guesses against that cost.
     64 sequences whose prompts repeat themselves (n-gram lookup guesses from the first step) under a CPU's cost, where
     a row is dear at that batch: no guess. The same requests with every guess made (policy "always") do guess."""
     tiny_folder, _ = tiny
@@ -486,7 +627,7 @@ def test_the_engine_measures_its_steps_and_guesses_nothing_where_rows_are_dear(f
     assert [r for r, _ in measured.decode.points] == rows and all(s > 0 for _, s in measured.decode.points)
     shifts = [v - d for (_, v), (_, d) in zip(measured.verify.points, measured.decode.points, strict=True)]
     assert [r for r, _ in measured.verify.points] == rows and measured.draft is None
-    assert min(shifts) >= 0 and max(shifts) - min(shifts) < 1e-9, "one price for leaving the fast path, at every size"
+    assert min(shifts) >= 0 and max(shifts) - min(shifts) < 1e-9, "one price for verification, at every size"
     prompts = [[40 + i % 50, 101, 102, 103] * 3 for i in range(64)]
     params = sampler.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     engine.scheduler.cost = stage(folder, "policy").SpeculationCost(CPU, CPU)

@@ -1,6 +1,7 @@
 """Stage 09: tensor parallelism. Each parallel layer against its unsharded original (the ranks simulated in this
-process), then real ranks: logits and greedy tokens at N = 2 and 3 against N = 1 and Hugging Face, the server
-on two ranks, and every way a rank can go away, with no process left behind.
+process), then real ranks: logits and greedy tokens at N = 2 and 3 against N = 1 and Hugging Face, one rank in a
+process group of its own, starting up (a worker that exits first, a rank slow to load), the server on two ranks,
+and every way a rank can go away, with no process left behind (and a GPU's waits, pretended on the CPU).
 
 Tolerance. Split across ranks, a row-parallel layer's output is the sum of N partial products, each a sum
 over 1/N of the input features, added by the all-reduce: the same numbers as one rank's matrix product,
@@ -16,7 +17,10 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
+from collections import Counter
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import httpx
 import psutil
@@ -318,6 +322,203 @@ def test_the_demo_compares_only_with_an_engine_this_machine_can_run():
     assert main.comparison_size([1, 2, 4], size=1, gpus=2) == 2
 
 
+def test_the_demo_stops_and_frees_each_engine_before_it_starts_the_next(model_dir, monkeypatch):
+    """On a GPU the first engine's pool holds most of the memory (--gpu-memory-utilization), and the second engine's
+    rank 0 runs on the same GPU: the demo must shut the first engine down and let go of it (nothing left referring to
+    it, so that its memory can be freed) before it builds the second. Engines that only record their lives here."""
+    main = stage(FOLDER, "__main__")
+    events, alive, in_memory = [], weakref.WeakSet(), []
+
+    class RecordingEngine:
+        def __init__(self, config) -> None:
+            in_memory.append(len(alive))  # engines not yet freed when this one starts
+            alive.add(self)
+            events.append(("start", config.tensor_parallel_size))
+            self.config, self.device = config, torch.device("cpu")
+            self.tp = SimpleNamespace(size=config.tensor_parallel_size, group=None)
+            self.model = SimpleNamespace(config=SimpleNamespace(tensor_parallel_sizes=lambda: [1, 3]))
+            self.tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: "answer")
+
+        def encode_chat(self, messages) -> list[int]:
+            return [1, 2, 3]
+
+        def generate_offline(self, prompts, params) -> list[list[int]]:
+            return [[7, 8] for _ in prompts]
+
+        def memory_report(self) -> str:
+            return f"rank 0 of {self.tp.size}"
+
+        def shutdown(self, graceful: bool = True) -> None:
+            events.append(("shutdown", self.tp.size))
+
+    monkeypatch.setattr(main, "Engine", RecordingEngine)
+    config = stage(FOLDER, "config").EngineConfig(model=str(model_dir))
+    main.demo(config, max_tokens=2)
+    assert events == [("start", 1), ("shutdown", 1), ("start", 3), ("shutdown", 3)]
+    assert in_memory == [0, 0], "an engine was still in memory when the next one started"
+
+
+# --- one rank in a process group: the parallel path on one device -----------------------------------------------
+
+
+def counted(issued: Counter, name: str, collective):
+    """``collective``, counting its calls in ``issued[name]``."""
+    def count(*args, **kwargs):
+        issued[name] += 1
+        return collective(*args, **kwargs)
+
+    return count
+
+
+def test_one_rank_in_a_process_group_issues_every_collective_and_gives_the_tokens_of_none(tiny, monkeypatch):
+    """--process-group (torchrun --nproc-per-node 1 on a GPU, with NCCL): one rank with a real process group
+    issues every collective a split engine does (each layer's two all-reduces and the embedding's, the logits'
+    gather, the step's broadcast), to itself, and answers exactly as an engine without a group."""
+    prompts = [[(7 * i + 3) % 256 for i in range(40)], [(5 * i + 1) % 256 for i in range(17)]]
+    params = sampler.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = make_engine(FOLDER, tiny["llama"], kv_cache_mb=4).generate_offline(prompts, params)
+    issued: Counter = Counter()
+    for name in ("all_reduce", "gather", "broadcast_object_list", "barrier"):
+        monkeypatch.setattr(torch.distributed, name, counted(issued, name, getattr(torch.distributed, name)))
+    engine = make_engine(FOLDER, tiny["llama"], kv_cache_mb=4, process_group=True)
+    try:
+        assert engine.tp.size == 1 and engine.tp.group is not None and not engine.ranks.workers
+        assert issued["barrier"] == 2, "the ranks agree when all have loaded their weights, then when all started"
+        execute, steps = engine.runner.execute, []
+        monkeypatch.setattr(engine.runner, "execute", lambda inputs: steps.append(1) or execute(inputs))
+        before = issued.copy()
+        assert engine.generate_offline(prompts, params) == expected
+        per_step = {"all_reduce": 2 * engine.model.config.num_layers + 1, "gather": 1, "broadcast_object_list": 1}
+        assert {name: issued[name] - before[name] for name in per_step} == {
+            name: count * len(steps) for name, count in per_step.items()}
+    finally:
+        engine.shutdown()
+    assert engine.tp.group is None and not torch.distributed.is_initialized()
+
+
+def test_a_bfloat16_all_reduce_sums_in_float32(monkeypatch):
+    """N bfloat16 partial sums added in bfloat16 round N - 1 more times than the unsplit matmul: on a GPU the split
+    model's tokens would drift from one rank's. The all-reduce sums in float32 and rounds once; float32 in place."""
+    ranks = distributed.start_ranks(1, torch.device("cpu"), 5.0, None, (), process_group=True)
+    reduced, all_reduce = [], torch.distributed.all_reduce
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda x, **kw: reduced.append(x) or all_reduce(x, **kw))
+    try:
+        x = torch.randn(4, 8).to(torch.bfloat16)
+        total = ranks.tp.all_reduce(x)
+        assert reduced[-1].dtype == torch.float32 and total.dtype == torch.bfloat16
+        assert torch.equal(total, x)  # one rank: the sum is its own part
+        y = torch.randn(4, 8)
+        assert ranks.tp.all_reduce(y) is y and reduced[-1] is y, "a float32 all-reduce needs no copy"
+    finally:
+        ranks.stop()
+
+
+# --- starting up: a worker that exits, a rank slow to load ---------------------------------------------------------
+
+
+def exits_at_once(rank: int, init_method: str) -> None:
+    """A worker that exits before it joins the others (a bad flag, no such GPU, out of memory)."""
+    os._exit(3)
+
+
+def test_a_worker_that_exits_before_joining_fails_the_start_at_once(monkeypatch):
+    """Rank 0 waits for its workers to check in while watching them: one that exits fails the start within seconds,
+    naming its rank and exit code, instead of leaving rank 0 in the rendezvous (which has no timeout) for good."""
+    spawned, outcome = [], {}
+    spawn_workers = distributed.spawn_workers
+    monkeypatch.setattr(distributed, "spawn_workers", lambda *args: spawned.extend(spawn_workers(*args)) or spawned)
+
+    def start() -> None:
+        try:
+            distributed.start_ranks(3, torch.device("cpu"), 5.0, exits_at_once, ())
+        except Exception as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=start, daemon=True)  # without the check, it would wait for ever
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "rank 0 still waits for a worker that has exited"
+    assert "exited (exit code 3)" in str(outcome["error"])
+    assert not torch.distributed.is_initialized()
+    assert_all_stopped([worker.pid for worker in spawned])
+
+
+def dies_loading_worker(rank: int, init_method: str, *args) -> None:
+    """``run_worker``, in a worker that joins the group and then dies loading its weights (out of memory, say)."""
+    worker = stage(FOLDER, "worker")
+    worker.LlamaForCausalLM = SimpleNamespace(from_pretrained=lambda *a, **k: os._exit(4))
+    worker.run_worker(rank, init_method, *args)
+
+
+def test_a_worker_that_dies_loading_its_weights_fails_the_start_and_leaves_no_process(tiny, monkeypatch):
+    """After the rendezvous, rank 0 waits for the others' weights in the start-up group, which has no timeout: it
+    watches its workers meanwhile, so one that dies there fails the start within seconds, and the group is gone."""
+    engine_module = stage(FOLDER, "engine")
+    monkeypatch.setattr(engine_module, "run_worker", dies_loading_worker)
+    spawned, outcome = [], {}
+    spawn_workers = distributed.spawn_workers
+    monkeypatch.setattr(distributed, "spawn_workers", lambda *args: spawned.extend(spawn_workers(*args)) or spawned)
+
+    def start() -> None:
+        try:
+            make_engine(FOLDER, tiny["llama"], kv_cache_mb=4, tensor_parallel_size=2, speculative="off")
+        except Exception as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=start, daemon=True)  # without the watch, it would wait for ever
+    thread.start()
+    thread.join(90)
+    assert not thread.is_alive(), "rank 0 still waits for a worker that died loading its weights"
+    assert "exited (exit code 4)" in str(outcome["error"])
+    assert not torch.distributed.is_initialized()
+    assert_all_stopped([worker.pid for worker in spawned])
+
+
+SLOW_LOAD_S = 5.0  # a worker's weights load this much later than rank 0's: longer than the test's --dist-timeout
+
+
+def slow_to_load_worker(rank: int, init_method: str, *args) -> None:
+    """``run_worker``, in a worker whose weights take SLOW_LOAD_S longer to load, and whose start-up begins with a
+    forward pass as on CUDA (``forward_first``)."""
+    worker = stage(FOLDER, "worker")
+    load = worker.LlamaForCausalLM.from_pretrained
+    worker.LlamaForCausalLM = SimpleNamespace(from_pretrained=lambda *a, **k: time.sleep(SLOW_LOAD_S) or load(*a, **k))
+    worker.start_runner = forward_first(worker.start_runner)
+    worker.run_worker(rank, init_method, *args)
+
+
+def forward_first(start_runner):
+    """``start_runner`` as it begins on CUDA: a forward pass (sizing the pool after the activations' peak), its
+    all-reduces in the forward pass's group and its short timeout, before anything else."""
+    kv_cache = stage(FOLDER, "kv_cache")
+
+    def start(config, model, device, *args):
+        dtype = model.model.embed_tokens.weight.dtype
+        shape = model.config.cache_shape(config.block_size, dtype, model.tp.size)
+        model_runner.run_dummy_step(model, kv_cache.KVCache.allocate(shape, shape.bytes_per_block, device), device, 4)
+        return start_runner(config, model, device, *args)
+
+    return start
+
+
+def test_a_rank_slow_to_load_its_weights_still_starts(tiny, monkeypatch):
+    """The ranks agree that all have loaded their weights (in the start-up group, no short timeout) before any
+    forward pass: a worker that loads SLOW_LOAD_S later does not make rank 0's first all-reduce time out after
+    --dist-timeout (2 s here), even when start-up begins with a forward pass, as it does on CUDA."""
+    engine_module = stage(FOLDER, "engine")
+    monkeypatch.setattr(engine_module, "run_worker", slow_to_load_worker)
+    monkeypatch.setattr(engine_module, "start_runner", forward_first(engine_module.start_runner))
+    engine = make_engine(FOLDER, tiny["llama"], kv_cache_mb=4, tensor_parallel_size=2, dist_timeout=2.0,
+                         speculative="off")
+    workers = [worker.pid for worker in engine.ranks.workers]
+    try:
+        params = sampler.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        assert len(engine.generate_offline([[1, 2, 3]], params)[0]) == 4
+    finally:
+        engine.shutdown()
+    assert_all_stopped(workers)
+
+
 # --- the server on two ranks, and the ways ranks go away -------------------------------------------------------
 
 
@@ -415,3 +616,83 @@ def test_stopping_the_server_process_stops_every_rank(tiny, sig):
     finally:
         if server.poll() is None:
             server.kill()
+
+
+@dataclass
+class ExitedWorker:
+    """A worker process as rank 0 sees it, once killed."""
+
+    exitcode: int = -9
+    pid: int = 0
+
+    def is_alive(self) -> bool:
+        return False
+
+
+class NeverDone:
+    """A CUDA event whose work never completes: a collective waiting for a peer that is gone."""
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return False
+
+
+def test_rank_0_stops_waiting_for_a_step_when_a_worker_has_exited_or_time_is_up():
+    """On a GPU rank 0 waits for each step's work by polling an event (``wait_until``), never blocked: a collective
+    replayed in a CUDA graph has no timeout, and would hold a blocking wait for ever. A dead worker ends the wait at
+    once, a stuck one at the deadline."""
+    started = time.monotonic()
+    dead = distributed.Ranks(workers=[ExitedWorker()])
+    with pytest.raises(distributed.RanksOutOfStep, match=r"rank 1 exited \(exit code -9\)"):
+        distributed.wait_until(NeverDone().query, 60.0, dead.exited, "the step's GPU work", 1e-4)
+    with pytest.raises(distributed.RanksOutOfStep, match="waited 0.2 s for the step's GPU work"):
+        distributed.wait_until(NeverDone().query, 0.2, distributed.Ranks().exited, "the step's GPU work", 1e-4)
+    assert time.monotonic() - started < 10
+    answers = iter([False, False, True])  # done on the third look, every worker running
+    distributed.wait_until(lambda: next(answers), 60.0, distributed.Ranks().exited, "the step's GPU work", 1e-4)
+
+
+def test_a_step_that_never_finishes_on_the_gpu_stops_the_engine(tiny, monkeypatch):
+    """The engine's side of it, on a CPU pretending: a one-rank group, the step's event never done. The step raises
+    EngineStopped (the server's 503) after --dist-timeout instead of hanging."""
+    engine_module = stage(FOLDER, "engine")
+    engine = make_engine(FOLDER, tiny["llama"], kv_cache_mb=4, process_group=True, dist_timeout=0.5)
+    try:
+        engine.add_request("r", [1, 2, 3], sampler.SamplingParams(max_tokens=4, temperature=0.0))
+        engine.device = torch.device("cuda")  # the step's tensors stay on the CPU; only the wait is the GPU's
+        monkeypatch.setattr(engine_module.torch.cuda, "Event", NeverDone)
+        with pytest.raises(engine_module.EngineStopped, match="waited 0.5 s for the step's GPU work"):
+            engine.step()
+    finally:
+        engine.shutdown()
+
+
+def test_under_nccl_the_watchdog_leaves_failures_to_the_engine(monkeypatch):
+    """PyTorch's NCCL watchdog tears the whole process down when a collective times out (its default handling): the
+    server would die instead of answering 503. ``join`` turns that off, and the watchdog's monitor too, before it
+    creates the NCCL groups. (On a CPU: the GPU and the process group pretended, the environment checked when the
+    group would be created.)"""
+    seen = {}
+
+    class Created(Exception):
+        pass
+
+    def init_process_group(backend, **kwargs):
+        seen.update(backend=backend, handling=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"),
+                    monitoring=os.environ.get("TORCH_NCCL_ENABLE_MONITORING"))
+        raise Created
+
+    for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_ENABLE_MONITORING"):
+        monkeypatch.setenv(name, "")  # restored (unset, here) after the test, whatever join sets
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    monkeypatch.setattr(torch.distributed, "init_process_group", init_process_group)
+    with pytest.raises(Created):
+        distributed.join(0, 1, torch.device("cuda"), 5.0)
+    assert seen == {"backend": "nccl", "handling": "0", "monitoring": "0"}
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # someone debugging chose otherwise: theirs
+    with pytest.raises(Created):
+        distributed.join(0, 1, torch.device("cuda"), 5.0)
+    assert seen["handling"] == "1"

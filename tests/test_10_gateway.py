@@ -483,8 +483,16 @@ def test_a_replica_killed_mid_stream_gives_an_error_event_and_the_gateway_goes_o
     wait_for(lambda: running() == 2, 120, "Ray Serve to replace the killed replica")
 
 
+def is_ray(process: psutil.Process) -> bool:
+    """One of Ray's processes; a child that has exited (a zombie, not yet reaped: any test's) runs nothing."""
+    try:
+        return "ray" in " ".join(process.cmdline()).lower()
+    except (psutil.ZombieProcess, psutil.NoSuchProcess):
+        return False
+
+
 def test_nothing_is_left_running_after_shutdown(gateway):
-    ours = [p for p in psutil.Process().children(recursive=True) if "ray" in " ".join(p.cmdline()).lower()]
+    ours = [p for p in psutil.Process().children(recursive=True) if is_ray(p)]
     assert ours, "Ray's processes are children of this one"
     fleet.stop()
     gateway.stopped = True

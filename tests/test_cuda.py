@@ -2,7 +2,8 @@
 
 The kernels' agreement with the reference and every stage's agreement with Hugging Face run on the GPU
 too, as the ``cuda`` cases of ``test_attention.py`` and ``test_all_stages.py``. Here: a pool too large
-for 32-bit offsets, no kernel compiled after start-up, and the pool sized from the card's memory."""
+for 32-bit offsets, no kernel compiled after start-up, the pool sized from the card's memory, and one rank
+in a NCCL group."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from .conftest import make_engine, stage
 from .stages import changed_stages_with, has
+from .steps import verification_step
 from .test_attention import BF16_ATOL, extend_meta
 
 pytestmark = pytest.mark.cuda
@@ -111,4 +113,55 @@ def test_the_pool_takes_what_the_card_has_left_by_nano_vllms_rule(model_dir):
     engine = make_engine("04_continuous_batching", model_dir, device="cuda", kv_cache_mb=64)  # honoured as given
     assert engine.kv_cache.num_blocks == 64 * 2**20 // engine.kv_cache.shape.bytes_per_block
     del engine
+    release_cuda_memory()
+
+
+def test_one_rank_in_an_nccl_group_gives_the_tokens_of_an_engine_without_one(model_dir):
+    """Without a process group one rank issues no collective; with ``process_group`` every all-reduce, gather and
+    broadcast goes through NCCL, the all-reduces inside the captured graphs too: the path N > 1 takes on GPUs, run
+    on one. Its tokens are those of the engine without a group (a sum over one rank is its one part)."""
+    folder = "09_tensor_parallel"
+    params = stage(folder, "sampler").SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [[1 + (7 * i) % 1000 for i in range(n)] for n in (5, 40, 130)]
+    release_cuda_memory()
+    plain = make_engine(folder, model_dir, device="cuda", kv_cache_mb=256, speculative="off")
+    expected = plain.generate_offline(prompts, params)
+    plain.shutdown()
+    del plain
+    release_cuda_memory()
+    engine = make_engine(folder, model_dir, device="cuda", kv_cache_mb=256, speculative="off", process_group=True)
+    try:
+        assert torch.distributed.get_backend(engine.tp.group) == "nccl"
+        assert engine.runner.graphs, "the decode steps were captured, their all-reduces with them"
+        assert engine.generate_offline(prompts, params) == expected
+    finally:
+        engine.shutdown()
+    assert not torch.distributed.is_initialized()
+    del engine
+    release_cuda_memory()
+
+
+def test_verification_buckets_and_the_drafts_buckets_are_captured_and_replay_as_eager(model_dir):
+    """On CUDA every bucket is captured, decode and verification, the draft runner's too; a step with guesses
+    replays its verification bucket's graph and gives the eager step's logits (bfloat16), padding rows finite."""
+    folder = "08_speculative"
+    runner_module = stage(folder, "model_runner")
+    release_cuda_memory()
+    engine = make_engine(folder, model_dir, device="cuda", dtype="bfloat16", kv_cache_mb=64, max_num_seqs=8,
+                         speculative="ngram", num_speculative_tokens=4, speculative_policy="always")
+    runner = engine.runner
+    assert set(runner.graphs) == set(runner.buckets) and runner_module.Bucket(16, 5) in runner.graphs
+    step = verification_step(runner_module, [(37, 2, [1, 2, 3]), (16, 0, [4, 5]), (5, 1, [6]),
+                                             (80, 4, [7, 8, 9, 10, 11, 12])])
+    replayed, _ = runner.execute(step)
+    assert torch.isfinite(runner.buffers.hidden[:16]).all(), "padding rows too"
+    eager, _ = runner.run_eager(step)
+    torch.testing.assert_close(replayed, eager, atol=2e-2, rtol=2e-2)
+    del engine, runner
+    release_cuda_memory()
+    drafting = make_engine(folder, model_dir, device="cuda", dtype="bfloat16", kv_cache_mb=64, max_num_seqs=8,
+                           speculative="draft", draft_layers=2, num_speculative_tokens=2, speculative_policy="always")
+    draft_runner = drafting.proposer.runner
+    assert set(draft_runner.graphs) == set(draft_runner.buckets) == {(size, 1) for size in draft_runner.sizes}
+    del drafting, draft_runner
     release_cuda_memory()
