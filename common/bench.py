@@ -4,6 +4,7 @@
     python -m common.bench --stage 02 --quick    # the short CI version (also: QUICK=1)
     python -m common.bench --url http://127.0.0.1:8000 --model NAME --name vllm   # a running server
     python -m common.bench --stage 05 --shared-prefix-tokens   # a 1000-token system prompt in every request
+    python -m common.bench --stage 04 --request-rate 0.5 1 2 4   # an open loop: Poisson arrivals at each rate
 
 The sweep sends 64 requests at each concurrency level 1, 4, 8, 16, 32, 64, each asking for 64
 tokens with greedy decoding and EOS ignored, so every stage does exactly the same work. The result
@@ -17,6 +18,17 @@ overwrite the committed full results.
 the next, the traffic a prefix cache (stage 05) is for. Its result's name gets ``_shared_prefix``
 (``_shared_prefix_N`` for another N), so it never overwrites the standard sweep's file, and the
 figure overlays the previous stage's result for the same workload only.
+
+``--request-rate R [R ...]`` runs an open loop instead (see common/loadgen.py): at each rate, the same
+number of requests, each sent at its arrival time (Poisson by default, seeded; ``--arrivals fixed`` for
+exactly 1/R apart) whether or not the earlier ones have finished, as users do. A closed loop waits for
+an answer before it sends the next request, so it never sees a queue build up; an open loop above the
+server's capacity does. Per rate it reports TTFT, ITL and end-to-end percentiles, the achieved rate,
+and the goodput: requests per second that met both latency targets (``--slo-ttft-ms``, ``--slo-itl-ms``).
+The highest rate at which at least ``--slo-share`` of the requests met them is the *sustainable rate*.
+A stage started here runs with ``--trace`` (stages 02 on), and each request's time in the server's queue,
+which the client cannot see, is read from its trace. The result is ``<name>_rates.json`` (never the
+closed loop's file) with its figure: latency against the offered rate, the knee where the queue starts.
 """
 
 from __future__ import annotations
@@ -32,7 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -46,15 +58,20 @@ from .cli import served_name
 from .loadgen import (
     DEFAULT_SHARED_PREFIX_TOKENS,
     PROMPTS,
+    Arrivals,
     LevelResult,
+    RateResult,
+    Slo,
     Workload,
     probe_streaming,
+    run_rates,
     run_sweep,
     shared_prefix,
+    sustainable_rate,
     warm_up,
 )
 from .net import free_port
-from .plots import plot_results
+from .plots import plot_rates, plot_results
 from .trace import read_traces
 from .weights import DEFAULT_MODEL
 
@@ -71,6 +88,24 @@ class Sweep:
 
 FULL = Sweep(levels=[1, 4, 8, 16, 32, 64], requests_per_level=64, max_tokens=64)
 QUICK = Sweep(levels=[1, 4], requests_per_level=8, max_tokens=16)
+
+# The open loop's latency targets: those of the course's reading on an inference server's anatomy (seed article
+# "Anatomy of an LLM Inference Server", its key metrics: TTFT < 500 ms, ITL < 50 ms); 90% of requests within them.
+SLO_TTFT_MS, SLO_ITL_MS, SLO_SHARE = 500.0, 50.0, 0.9
+RATES_SUFFIX = "_rates"  # an open-loop result's name: never the closed loop's file
+TRACED_FROM = 2  # the first stage that takes --trace
+
+
+@dataclass
+class RateSweep:
+    """An open-loop sweep: ``Sweep.requests_per_level`` requests at each offered rate (requests per second)."""
+
+    rates: list[float]
+    arrivals: Arrivals
+    seed: int
+    max_concurrency: int | None  # None: no cap on the requests in flight, a pure open loop
+    slo: Slo
+    slo_share: float  # the share of requests that must meet the SLO for a rate to count as sustained
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -101,17 +136,59 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="more arguments for the stage's server, as one string, e.g. --server-args=--enforce-eager "
                              "(with --stage)")
     parser.add_argument("--levels", type=int, nargs="+", help="override the concurrency levels")
-    parser.add_argument("--requests", type=int, help="override the requests per level")
+    parser.add_argument("--requests", type=int, help="override the requests per level (per rate with --request-rate)")
     parser.add_argument("--max-tokens", type=int, help="override the output tokens per request")
     parser.add_argument("--out", type=Path, help="folder for the JSON and PNG (default: results/<device>/)")
     parser.add_argument("--compare", type=Path, nargs="*", default=[],
-                        help="more result JSON files to overlay in the figure")
+                        help="more result JSON files to overlay in the figure (open loop: other _rates.json files)")
+    add_open_loop_args(parser)
     args = parser.parse_args(argv)
     if args.url and not args.name:
         parser.error("--url needs --name LABEL for the result file")
+    if args.request_rates and args.levels:
+        parser.error("--levels sets a closed loop's concurrencies; --request-rate sweeps rates instead")
+    if args.request_rates and min(args.request_rates) <= 0:
+        parser.error("--request-rate takes rates above 0 (requests per second)")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        parser.error("--max-concurrency must be 1 or more")
+    if not 0 < args.slo_share <= 1:
+        parser.error("--slo-share is a fraction: above 0, at most 1")
     if args.shared_prefix_tokens < 0:
         parser.error("--shared-prefix-tokens must be 0 (off) or more")
     return args
+
+
+def add_open_loop_args(parser: argparse.ArgumentParser) -> None:
+    """The open loop's options: the rates, how requests arrive, and the latency targets goodput counts."""
+    group = parser.add_argument_group("open loop (requests at a rate instead of a fixed number of clients)")
+    group.add_argument("--request-rate", dest="request_rates", type=float, nargs="+", metavar="R",
+                       help="requests per second; several make a sweep over rates. Each request is sent at its "
+                            "arrival time whether or not the earlier ones have finished")
+    group.add_argument("--arrivals", choices=["poisson", "fixed"], default="poisson",
+                       help="poisson (default): exponential gaps of mean 1/R, as independent users send; "
+                            "fixed: exactly 1/R apart")
+    group.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals (default 0): the same "
+                                                            "seed, the same schedule")
+    group.add_argument("--max-concurrency", type=int, help="at most this many requests in flight; one that "
+                       "arrives beyond it waits for a place, outside its latencies (default: no cap)")
+    group.add_argument("--slo-ttft-ms", type=float, default=SLO_TTFT_MS,
+                       help=f"time-to-first-token target (default {SLO_TTFT_MS:g} ms, seed article 'Anatomy of "
+                            "an LLM Inference Server')")
+    group.add_argument("--slo-itl-ms", type=float, default=SLO_ITL_MS,
+                       help=f"inter-token latency target, on a request's mean gap between tokens (default "
+                            f"{SLO_ITL_MS:g} ms, same source)")
+    group.add_argument("--slo-share", type=float, default=SLO_SHARE,
+                       help=f"share of requests that must meet both targets for a rate to be sustainable "
+                            f"(default {SLO_SHARE:g})")
+
+
+def rate_sweep_of(args: argparse.Namespace) -> RateSweep | None:
+    """The open-loop sweep ``args`` ask for, or None for the closed loop (no --request-rate)."""
+    if not args.request_rates:
+        return None
+    return RateSweep(rates=args.request_rates, arrivals=args.arrivals, seed=args.seed,
+                     max_concurrency=args.max_concurrency,
+                     slo=Slo(ttft_s=args.slo_ttft_ms / 1000, itl_s=args.slo_itl_ms / 1000), slo_share=args.slo_share)
 
 
 def result_name(name: str, shared_prefix_tokens: int) -> str:
@@ -290,23 +367,34 @@ def exit_on_sigterm() -> None:
 # --- measuring and writing -------------------------------------------------------------------------
 
 
-async def measure(url: str, model: str, stream: bool, sweep: Sweep, label: str, extra_body: dict[str, Any],
-                  prefix: str = "") -> tuple[bool, list[LevelResult]]:
-    """Find out whether the server streams, warm it up, then run every level. ``prefix``: the
-    shared-prefix workload's system prompt, or "" for the standard workload. The warm-up request
-    carries it too (see ``warm_up``: the sweep measures a server that has seen its system prompt)."""
+async def measure(url: str, model: str, stream: bool, max_tokens: int, extra_body: dict[str, Any], prefix: str,
+                  load: Callable[[Workload], Awaitable[list[Any]]]) -> tuple[bool, list[Any]]:
+    """Find out whether the server streams, warm it up, then run ``load`` (the closed loop's levels or the open
+    loop's rates). ``prefix``: the shared-prefix workload's system prompt, or "" for the standard workload.
+    The warm-up request carries it too (see ``warm_up``: the sweep measures a server that has seen its
+    system prompt)."""
     if stream and not await probe_streaming(url, model, extra_body):
         print("The server answered 400 to a streaming request: measuring without streaming.", flush=True)
         stream = False
-    workload = Workload(url, model, sweep.max_tokens, stream=stream, extra_body=extra_body, shared_prefix=prefix)
+    workload = Workload(url, model, max_tokens, stream=stream, extra_body=extra_body, shared_prefix=prefix)
     await warm_up(workload)
-    return stream, await run_sweep(workload, sweep.levels, sweep.requests_per_level, label)
+    return stream, await load(workload)
 
 
 def level_json(level: LevelResult) -> dict[str, Any]:
     summary = level.summary()
     summary["in_flight"]["samples"] = level.in_flight.samples
     summary["records"] = [asdict(r) for r in level.records]  # the raw data behind the aggregates
+    return summary
+
+
+def rate_json(rate: RateResult, slo: Slo) -> dict[str, Any]:
+    """A rate's summary, with its schedule and raw records, each with its time in the queue (None: untraced)."""
+    summary = rate.summary(slo)
+    summary["in_flight"]["samples"] = rate.sent.in_flight.samples
+    summary["arrivals_s"] = [round(t, 4) for t in rate.arrivals]
+    queued = rate.queued_s or {}
+    summary["records"] = [{**asdict(r), "queued_s": queued.get(r.request_id or "")} for r in rate.sent.records]
     return summary
 
 
@@ -335,19 +423,42 @@ def workload_json(sweep: Sweep, extra_body: dict[str, Any], shared_prefix_tokens
             "shared_prefix_tokens": shared_prefix_tokens, "shared_prefix": shared_prefix(shared_prefix_tokens)}
 
 
+def rates_workload_json(sweep: Sweep, rates: RateSweep, extra_body: dict[str, Any],
+                        shared_prefix_tokens: int) -> dict[str, Any]:
+    """An open loop's ``workload`` section: the schedule's parameters, then what every request asked for."""
+    closed = workload_json(sweep, extra_body, shared_prefix_tokens)
+    request = {key: value for key, value in closed.items() if key not in ("levels", "requests_per_level")}
+    return {"rates": rates.rates, "requests_per_rate": sweep.requests_per_level, "arrivals": rates.arrivals,
+            "seed": rates.seed, "max_concurrency": rates.max_concurrency, **request}
+
+
+def open_loop_json(results: list[RateResult], rates: RateSweep, queueing: str) -> dict[str, Any]:
+    """The open loop's part of a result: the SLOs, the sustainable rate, where queueing times come from, and
+    every rate."""
+    summaries = [rate_json(result, rates.slo) for result in results]
+    return {"slo": {"ttft_ms": 1000 * rates.slo.ttft_s, "itl_ms": 1000 * rates.slo.itl_s, "share": rates.slo_share,
+                    "itl_is": "each request's mean gap between tokens"},
+            "sustainable_rate": sustainable_rate(summaries, rates.slo_share),
+            "queueing": queueing,
+            "rates": summaries}
+
+
 def shared_prefix_tokens_of(path: Path) -> int:
     """The shared-prefix length a result file was measured with (0: the standard workload, or a file
     written before the option existed)."""
     return json.loads(path.read_text())["workload"].get("shared_prefix_tokens", 0)
 
 
-def previous_stage_result(out_dir: Path, stage: str | None, shared_prefix_tokens: int = 0) -> list[Path]:
+def previous_stage_result(out_dir: Path, stage: str | None, shared_prefix_tokens: int = 0,
+                          rates: bool = False) -> list[Path]:
     """The previous stage's result in the same folder (so quick compares with quick, full with full),
-    for the same workload (a shared-prefix sweep with a shared-prefix sweep of the same length)."""
+    for the same workload (a shared-prefix sweep with a shared-prefix sweep of the same length) and the same
+    loop (``rates``: an open loop's ``_rates`` file, else a closed loop's)."""
     if stage is None or int(stage) <= 1:
         return []
     candidates = sorted(out_dir.glob(f"{int(stage) - 1:02d}_*.json"))
-    return [path for path in candidates if shared_prefix_tokens_of(path) == shared_prefix_tokens][:1]
+    return [path for path in candidates if path.stem.endswith(RATES_SUFFIX) == rates
+            and shared_prefix_tokens_of(path) == shared_prefix_tokens][:1]
 
 
 def out_dir_of(args: argparse.Namespace, device: str) -> Path:
@@ -355,11 +466,37 @@ def out_dir_of(args: argparse.Namespace, device: str) -> Path:
     return args.out or (RESULTS / "quick" / device if args.quick else RESULTS / device)
 
 
+def queueing_source(args: argparse.Namespace) -> str:
+    """Where an open loop's queueing times come from, or why there are none: the client cannot see them."""
+    if args.url:
+        return ("none: an outside server (--url) keeps its queue to itself; only its own traces could show it "
+                "(a stage started with --stage is traced)")
+    if int(args.stage) < TRACED_FROM:
+        return f"none: stage {int(args.stage):02d} writes no traces (--trace starts at stage {TRACED_FROM:02d})"
+    return "the server's traces (--trace): the sum of each request's queued spans, matched by request id"
+
+
+@contextmanager
+def target(args: argparse.Namespace, device: str, dtype: str, trace_file: Path | None,
+           process_group: bool) -> Iterator[tuple[str, str, list[str] | None]]:
+    """The server to measure, for the block: the stage's, started here (with ``--trace trace_file`` when
+    given, in a process group of its own with ``process_group``, see ``stage_server``), or the one at --url.
+    Yields its URL, the model name to ask for, and the command that started it (None for --url)."""
+    if not args.stage:
+        yield args.url.rstrip("/"), args.model, None
+        return
+    url = f"http://127.0.0.1:{(port := free_port())}"
+    tracing = ["--trace", str(trace_file)] if trace_file else []
+    command = stage_command(args.stage, port, args.model, device, dtype) + tracing + args.server_args
+    with stage_server(command, url, process_group=process_group):
+        yield url, served_name(args.model), command
+
+
 def run(args: argparse.Namespace, process_group: bool = False) -> dict[str, Any]:
     """Measure what ``args`` (from ``parse_args``) name: start the stage's server (in a process group of its
-    own with ``process_group``, see ``stage_server``), or measure the running server at --url. Returns the
-    result as ``main`` writes it, without writing anything."""
-    sweep = sweep_of(args)
+    own with ``process_group``, see ``stage_server``), or measure the running server at --url; a closed loop,
+    or an open one with --request-rate. Returns the result as ``main`` writes it, without writing anything."""
+    sweep, rates = sweep_of(args), rate_sweep_of(args)
     device, stage_dtype = device_and_dtype(args.device, args.dtype)
     # With --url we cannot see the server's dtype: record it only if the user told us.
     dtype = stage_dtype if args.stage else (None if args.dtype == "auto" else args.dtype)
@@ -367,22 +504,22 @@ def run(args: argparse.Namespace, process_group: bool = False) -> dict[str, Any]
     if (machine["load_average_1m"] or 0) > 1:
         print(f"warning: the load average is {machine['load_average_1m']:.1f} before we start: something else "
               "is using the CPU, and it will slow the server down", flush=True)
-    server_command = None
     prefix = shared_prefix(args.shared_prefix_tokens)
+    name = result_name(args.name or stage_folder(args.stage), args.shared_prefix_tokens)
+    name += RATES_SUFFIX if rates else ""
+    with tempfile.TemporaryDirectory(prefix="bench-trace-") as folder:
+        traced = rates is not None and args.stage is not None and int(args.stage) >= TRACED_FROM
+        trace_file = Path(folder) / "traces.jsonl" if traced else None
 
-    if args.stage:
-        name = result_name(args.name or stage_folder(args.stage), args.shared_prefix_tokens)
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        server_command = stage_command(args.stage, port, args.model, device, dtype) + args.server_args
-        model = served_name(args.model)
-        with stage_server(server_command, url, process_group=process_group):
-            stream, levels = asyncio.run(measure(url, model, not args.no_stream, sweep, name, args.extra_body,
-                                                 prefix))
-    else:
-        name, url, model = result_name(args.name, args.shared_prefix_tokens), args.url.rstrip("/"), args.model
-        stream, levels = asyncio.run(measure(url, model, not args.no_stream, sweep, name, args.extra_body, prefix))
+        def load(workload: Workload) -> Awaitable[list[Any]]:
+            if rates is None:
+                return run_sweep(workload, sweep.levels, sweep.requests_per_level, name)
+            return run_rates(workload, rates.rates, sweep.requests_per_level, rates.slo, rates.arrivals, rates.seed,
+                             rates.max_concurrency, trace_file, name)
 
+        with target(args, device, dtype, trace_file, process_group) as (url, model, server_command):
+            stream, measured = asyncio.run(measure(url, model, not args.no_stream, sweep.max_tokens, args.extra_body,
+                                                   prefix, load))
     return {
         "name": name,
         "stage": f"{int(args.stage):02d}" if args.stage else None,
@@ -391,15 +528,27 @@ def run(args: argparse.Namespace, process_group: bool = False) -> dict[str, Any]
         "dtype": dtype,
         "streaming": stream,
         "quick": args.quick,
-        "workload": workload_json(sweep, args.extra_body, args.shared_prefix_tokens),
+        "workload": (workload_json(sweep, args.extra_body, args.shared_prefix_tokens) if rates is None
+                     else rates_workload_json(sweep, rates, args.extra_body, args.shared_prefix_tokens)),
         "machine": machine,
         "command": shlex.join(sys.orig_argv),
         "server_command": shlex.join(server_command) if server_command else None,
         "url": url,
         **git_state(),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "levels": [level_json(level) for level in levels],
+        **({"levels": [level_json(level) for level in measured]} if rates is None
+           else open_loop_json(measured, rates, queueing_source(args))),
     }
+
+
+def sustainable_line(result: dict[str, Any]) -> str:
+    """The open loop's conclusion, in one sentence."""
+    slo = result["slo"]
+    targets = (f"at least {100 * slo['share']:g}% of requests within TTFT {slo['ttft_ms']:g} ms and ITL "
+               f"{slo['itl_ms']:g} ms")
+    if result["sustainable_rate"] is None:
+        return f"Sustainable rate: none of the rates {result['workload']['rates']} kept {targets}"
+    return f"Sustainable rate: {result['sustainable_rate']:g} requests/s, the highest that kept {targets}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -410,8 +559,12 @@ def main(argv: list[str] | None = None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / f"{name}.json"
     json_path.write_text(dumps(result) + "\n")
-    others = previous_stage_result(out_dir, args.stage, args.shared_prefix_tokens) + list(args.compare)
-    png_path = plot_results([*others, result], json_path.with_suffix(".png"))
+    open_loop = "rates" in result
+    others = previous_stage_result(out_dir, args.stage, args.shared_prefix_tokens, open_loop) + list(args.compare)
+    plot = plot_rates if open_loop else plot_results
+    png_path = plot([*others, result], json_path.with_suffix(".png"))
+    if open_loop:
+        print(sustainable_line(result))
     print(f"Wrote {json_path} and {png_path}")
 
 

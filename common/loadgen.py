@@ -1,18 +1,34 @@
 """An async load generator: many clients at once against POST /v1/completions, timed per request.
 
-A *level* sends ``num_requests`` requests with at most ``concurrency`` of them in flight (a
-closed loop: as soon as one finishes, the next starts). For every request we record
+It drives a server in one of two ways.
+
+- A *level* sends ``num_requests`` requests with at most ``concurrency`` of them in flight (a
+  closed loop: as soon as one finishes, the next starts). The clients wait for their answers, so a
+  slow server slows the load down with it: the queue never grows beyond ``concurrency``.
+- A *rate* sends them at arrival times drawn in advance (an open loop, as production benchmarks
+  such as vLLM's ``benchmark_serving`` do): Poisson arrivals of ``rate`` requests per second by
+  default (``arrival_times``), each request sent when it is due whether or not the earlier ones
+  have finished. Above the rate a server can serve, requests pile up in its queue and wait there,
+  which a closed loop hides. Each rate reports its *goodput* (``Slo``): the requests per second
+  that met their latency targets.
+
+For every request we record
 
 - TTFT, time to first token: from sending the request to the first chunk that carries text;
 - ITL, inter-token latency: the mean gap between the streamed chunks that follow it;
 - end-to-end latency: from sending the request to the end of the answer;
-- output tokens, from the server's own ``usage`` numbers (not by counting chunks).
+- output tokens, from the server's own ``usage`` numbers (not by counting chunks);
+- the server's id for it (the ``id`` of its response), the name its ``--trace`` line carries.
 
-While a level runs, a sampler asks the server every ~100 ms how many requests it holds
+The client cannot see how long a request waited in the server's queue: that hides inside TTFT.
+A server started with ``--trace FILE`` (stages 02 on, see common/trace.py) writes it down, and a
+rate given that file reads each of its requests' ``queued`` spans, matched by the id above.
+
+While a level (or a rate) runs, a sampler asks the server every ~100 ms how many requests it holds
 (``llm_requests_running + llm_requests_waiting`` from GET /metrics). A server without /metrics
 (stage 01) gets the client's own count instead, and the result says which one it is. Before and
-after the level it reads the engine's busy seconds (``llm_engine_busy_seconds_total``, stages 02
-on): their difference over the level's wall time is the engine's busy fraction, the nearest thing
+after it, it reads the engine's busy seconds (``llm_engine_busy_seconds_total``, stages 02
+on): their difference over its wall time is the engine's busy fraction, the nearest thing
 a CPU server has to a GPU-utilization panel.
 
 The *shared-prefix workload* (``Workload.shared_prefix``, built by ``shared_prefix``) puts the same
@@ -30,12 +46,16 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import httpx
 import numpy as np
 from tqdm import tqdm
+
+from .trace import read_traces
 
 # Short, varied prompts: prose, code, a list, a question, non-Latin text. Requests cycle through them.
 PROMPTS: list[str] = [
@@ -179,6 +199,7 @@ class RequestRecord:
     e2e_s: float | None = None
     output_tokens: int = 0
     error: str | None = None
+    request_id: str | None = None  # the server's id for it (its response's "id"), which its trace carries
 
 
 @dataclass
@@ -194,6 +215,19 @@ class Stats:
             return None
         p50, p99 = np.percentile(values, [50, 99])
         return cls(mean=float(np.mean(values)), p50=float(p50), p99=float(p99))
+
+
+@dataclass
+class TailStats(Stats):
+    """Stats with p90 too, for an open loop: a latency target is usually set on a high percentile, and
+    as the rate climbs the tail (p90, then p99) breaks it long before the median does."""
+
+    p90: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> TailStats | None:
+        stats = Stats.of(values)
+        return None if stats is None else cls(**asdict(stats), p90=float(np.percentile(values, 90)))
 
 
 @dataclass
@@ -249,11 +283,20 @@ class LevelResult:
 # --- one request -------------------------------------------------------------------------------
 
 
-async def stream_chunks(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple[list[float], int]:
-    """Send one streaming request; return the arrival time of each chunk that carries a token, and the
-    output tokens the server counted (its ``usage``)."""
-    chunk_times: list[float] = []  # arrival of each chunk that carries a token, from the first text on
-    output_tokens = 0
+@dataclass
+class Streamed:
+    """What one streamed answer showed the client."""
+
+    chunk_times: list[float]  # arrival of each chunk that carries a token, from the first text on
+    output_tokens: int  # the server's count (its ``usage``)
+    response_id: str | None  # the server's id for the request: its chunks' "id"
+
+
+async def stream_response(client: httpx.AsyncClient, body: dict[str, Any]) -> Streamed:
+    """Send one streaming request; return when each chunk that carries a token arrived, the output
+    tokens the server counted, and the id it gave the request."""
+    chunk_times: list[float] = []
+    output_tokens, response_id = 0, None
     async with client.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
             await response.aread()
@@ -265,6 +308,7 @@ async def stream_chunks(client: httpx.AsyncClient, body: dict[str, Any]) -> tupl
             event = json.loads(line[len("data: "):])
             if "error" in event:  # the stream had started when generation failed
                 raise RuntimeError(event["error"].get("message", "error event in the stream"))
+            response_id = event.get("id", response_id)
             if event.get("usage"):
                 output_tokens = event["usage"]["completion_tokens"]
             choice = (event.get("choices") or [None])[0]
@@ -276,16 +320,23 @@ async def stream_chunks(client: httpx.AsyncClient, body: dict[str, Any]) -> tupl
         raise RuntimeError("the stream carried no text")
     if output_tokens == 0:  # counting chunks instead would undercount (a chunk may hold two tokens)
         raise RuntimeError("no usage numbers: the server ignored stream_options.include_usage")
-    return chunk_times, output_tokens
+    return Streamed(chunk_times, output_tokens, response_id)
+
+
+async def stream_chunks(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple[list[float], int]:
+    """``stream_response``'s chunk times and output tokens, for a caller that needs no id."""
+    streamed = await stream_response(client, body)
+    return streamed.chunk_times, streamed.output_tokens
 
 
 async def send_streaming(client: httpx.AsyncClient, workload: Workload, record: RequestRecord) -> None:
     """Send one streaming request and fill in ``record`` from its server-sent events."""
     start = time.perf_counter()
-    chunk_times, record.output_tokens = await stream_chunks(client, workload.body(record.index))
+    streamed = await stream_response(client, workload.body(record.index))
     end = time.perf_counter()
-    record.ttft_s = chunk_times[0] - start
-    gaps = np.diff(chunk_times)
+    record.output_tokens, record.request_id = streamed.output_tokens, streamed.response_id
+    record.ttft_s = streamed.chunk_times[0] - start
+    gaps = np.diff(streamed.chunk_times)
     record.itl_s = float(gaps.mean()) if len(gaps) else None
     record.e2e_s = end - start
 
@@ -299,7 +350,8 @@ async def send_whole(client: httpx.AsyncClient, workload: Workload, record: Requ
     end = time.perf_counter()
     if response.status_code != 200:
         raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
-    record.output_tokens = response.json()["usage"]["completion_tokens"]
+    answer = response.json()
+    record.output_tokens, record.request_id = answer["usage"]["completion_tokens"], answer.get("id")
     record.ttft_s = record.e2e_s = end - start
 
 
@@ -419,19 +471,37 @@ def new_client(workload: Workload, concurrency: int) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=workload.url, timeout=workload.timeout_s, limits=limits)
 
 
-async def run_level(workload: Workload, concurrency: int, num_requests: int, desc: str = "") -> LevelResult:
-    """Send ``num_requests`` requests, at most ``concurrency`` at a time, and time each one."""
-    async with new_client(workload, concurrency) as client:
+@dataclass
+class Sent:
+    """What sending a set of requests measured: the part a closed-loop level and an open-loop rate share."""
+
+    wall_s: float
+    records: list[RequestRecord]
+    in_flight: InFlight
+    engine_busy: float | None
+    prefix_cache_hit_rate: float | None
+
+
+async def send_requests(workload: Workload, arrivals: list[float], limit: int | None, desc: str) -> Sent:
+    """Send request ``i`` ``arrivals[i]`` seconds after the start, with at most ``limit`` in flight (None: no
+    cap; a request due while the cap is reached waits for a free place), and time each one.
+
+    All arrivals at 0 with a limit is a closed loop; arrivals spread in time without a limit, an open loop.
+    A record's ``start_s`` is when the request was sent, after any wait for the cap (as vLLM's benchmark
+    times it): its latencies are the server's, the client's own wait is not in them."""
+    async with new_client(workload, limit or len(arrivals)) as client:
         # Ask /metrics once before the load starts: a one-at-a-time server (stage 01) could not
-        # answer it during the level anyway, and has none.
+        # answer it during the load anyway, and has none.
         source: InFlightSource = "server" if await server_in_flight(client) is not None else "client"
         before = await server_counters(client) if source == "server" else Counters()
         in_flight, count, done = InFlight(source), ClientCount(), asyncio.Event()
-        gate = asyncio.Semaphore(concurrency)
-        bar = tqdm(total=num_requests, desc=desc or f"concurrency {concurrency}", unit="req", leave=False)
+        gate = asyncio.Semaphore(limit) if limit is not None else nullcontext()
+        bar = tqdm(total=len(arrivals), desc=desc, unit="req", leave=False)
         level_start = time.perf_counter()
 
         async def one(index: int) -> RequestRecord:
+            if (due_in := level_start + arrivals[index] - time.perf_counter()) > 0:
+                await asyncio.sleep(due_in)
             async with gate:
                 record = RequestRecord(index, start_s=time.perf_counter() - level_start)
                 count.value += 1
@@ -442,15 +512,22 @@ async def run_level(workload: Workload, concurrency: int, num_requests: int, des
 
         sampler = asyncio.create_task(sample_in_flight(client, in_flight, count, level_start, done))
         try:
-            records = await asyncio.gather(*(one(i) for i in range(num_requests)))
+            records = await asyncio.gather(*(one(i) for i in range(len(arrivals))))
             wall_s = time.perf_counter() - level_start
         finally:
             done.set()
             await sampler
             bar.close()
         after = await server_counters(client) if before != Counters() else Counters()
-    return LevelResult(concurrency, wall_s, list(records), in_flight, engine_busy_between(before, after, wall_s),
-                       prefix_hit_rate_between(before, after))
+    return Sent(wall_s, list(records), in_flight, engine_busy_between(before, after, wall_s),
+                prefix_hit_rate_between(before, after))
+
+
+async def run_level(workload: Workload, concurrency: int, num_requests: int, desc: str = "") -> LevelResult:
+    """Send ``num_requests`` requests, at most ``concurrency`` at a time, and time each one."""
+    sent = await send_requests(workload, [0.0] * num_requests, concurrency, desc or f"concurrency {concurrency}")
+    return LevelResult(concurrency, sent.wall_s, sent.records, sent.in_flight, sent.engine_busy,
+                       sent.prefix_cache_hit_rate)
 
 
 async def run_sweep(workload: Workload, levels: list[int], requests_per_level: int,
@@ -474,6 +551,150 @@ def format_summary(s: dict[str, Any]) -> str:
             + ("" if s.get("engine_busy") is None else f"engine busy {100 * s['engine_busy']:3.0f}%, ")
             + ("" if s.get("prefix_cache_hit_rate") is None
                else f"prefix cache hits {100 * s['prefix_cache_hit_rate']:3.0f}%, ")
+            + f"errors {s['errors']}")
+
+
+# --- an open loop: requests at a rate ---------------------------------------------------------------
+
+Arrivals = Literal["poisson", "fixed"]
+TRACE_WAIT_S = 10.0  # a trace is written just after its response has gone out: how long to wait for the last
+
+
+def arrival_times(rate: float, count: int, arrivals: Arrivals = "poisson", seed: int = 0) -> list[float]:
+    """When each of ``count`` requests is due, in seconds from the first (due at 0).
+
+    ``poisson``: a Poisson process of ``rate`` requests per second, i.e. independent exponential gaps of
+    mean 1/rate, as users who do not know about each other send them: bursts and lulls, which is what fills
+    a queue. The gaps are drawn from a generator seeded with ``seed`` as exponentials of mean 1, then
+    divided by the rate: the same seed gives the same schedule, and every rate of a sweep the same pattern
+    of bursts, scaled, so that two rates differ only in their rate. ``fixed``: exactly 1/rate apart."""
+    if arrivals == "fixed":
+        return (np.arange(count) / rate).tolist()
+    gaps = np.random.default_rng(seed).exponential(1.0, max(count - 1, 0)) / rate
+    return np.concatenate(([0.0], np.cumsum(gaps)))[:count].tolist()
+
+
+@dataclass
+class Slo:
+    """Latency targets (service-level objectives) a request must meet to count toward goodput."""
+
+    ttft_s: float  # its first token within this
+    itl_s: float  # its mean gap between tokens (``RequestRecord.itl_s``) within this
+
+    def met_by(self, record: RequestRecord) -> bool:
+        """True for a request that succeeded within both targets. Its ITL is its *mean* gap, as vLLM's TPOT
+        target reads it: one slow step among many does not fail a request, a slow stream does. A request
+        with no gap to measure (one token, or a server measured without streaming) is judged on TTFT alone."""
+        return (record.ok and record.ttft_s is not None and record.ttft_s <= self.ttft_s
+                and (record.itl_s is None or record.itl_s <= self.itl_s))
+
+
+def sustainable_rate(summaries: list[dict[str, Any]], share: float) -> float | None:
+    """The highest offered rate of a sweep at which at least ``share`` of the requests met the SLOs (its
+    ``goodput_share``), or None if no rate did: the load the server takes within its latency targets."""
+    return max((s["rate"] for s in summaries if s["goodput_share"] >= share), default=None)
+
+
+@dataclass
+class RateResult:
+    """One rate of an open-loop sweep: the schedule, what was measured, and (from the server's traces, when
+    it wrote them) how long each request waited in its queue."""
+
+    rate: float  # offered: requests per second
+    arrivals: list[float]  # when each request was due, seconds from the start
+    max_concurrency: int | None
+    sent: Sent
+    queued_s: dict[str, float] | None = None  # request id -> seconds in the queue; None: no traces
+
+    def summary(self, slo: Slo) -> dict[str, Any]:
+        """The rate's aggregates (latencies over the requests that succeeded), and its goodput: the
+        requests per second that met ``slo``, over the rate's wall time, and their share of all requests."""
+        records, wall_s = self.sent.records, self.sent.wall_s
+        ok = [r for r in records if r.ok]
+        met = sum(slo.met_by(r) for r in records)
+        output_tokens = sum(r.output_tokens for r in ok)
+
+        def stats(values: list[float | None]) -> dict[str, float] | None:
+            s = TailStats.of([v for v in values if v is not None])
+            return None if s is None else asdict(s)
+
+        queued = None if self.queued_s is None else [self.queued_s.get(r.request_id or "") for r in ok]
+        return {
+            "rate": self.rate,
+            "max_concurrency": self.max_concurrency,
+            "requests": len(records),
+            "errors": len(records) - len(ok),
+            "wall_s": wall_s,
+            "achieved_rate": len(ok) / wall_s if wall_s > 0 else 0.0,
+            "output_tokens": output_tokens,
+            "output_tokens_per_s": output_tokens / wall_s if wall_s > 0 else 0.0,
+            "ttft_s": stats([r.ttft_s for r in ok]),
+            "itl_s": stats([r.itl_s for r in ok]),
+            "e2e_s": stats([r.e2e_s for r in ok]),
+            "queued_s": None if queued is None else stats(queued),
+            "goodput": met / wall_s if wall_s > 0 else 0.0,
+            "goodput_share": met / len(records) if records else 0.0,
+            "in_flight": {"source": self.sent.in_flight.source, "mean": self.sent.in_flight.mean,
+                          "max": self.sent.in_flight.max},
+            "engine_busy": self.sent.engine_busy,
+            "prefix_cache_hit_rate": self.sent.prefix_cache_hit_rate,
+        }
+
+
+def queued_seconds(traces: list[dict[str, Any]]) -> dict[str, float]:
+    """Each traced request's time in the queue: the sum of its ``queued`` spans (more than one when it was
+    preempted and waited again), by request id."""
+    return {trace["request_id"]: trace["totals_ms"].get("queued", 0.0) / 1000 for trace in traces}
+
+
+async def read_queueing(trace_file: Path, request_ids: set[str]) -> dict[str, float]:
+    """The queueing time of each of ``request_ids`` from the server's trace file, waiting up to TRACE_WAIT_S
+    for the last traces to be written; a request whose trace never came is left out."""
+    deadline = time.monotonic() + TRACE_WAIT_S
+    while True:
+        try:
+            found = queued_seconds(read_traces(trace_file)) if trace_file.exists() else {}
+        except json.JSONDecodeError:  # we read a long trace while the server was still writing it: read again
+            found = {}
+        if request_ids <= found.keys() or time.monotonic() > deadline:
+            return {rid: seconds for rid, seconds in found.items() if rid in request_ids}
+        await asyncio.sleep(0.05)
+
+
+async def run_rate(workload: Workload, rate: float, arrivals: list[float], max_concurrency: int | None = None,
+                   trace_file: Path | None = None, desc: str = "") -> RateResult:
+    """Send a request at each of ``arrivals`` (an open loop), then read their queueing times from the
+    server's ``trace_file`` if it writes one."""
+    sent = await send_requests(workload, arrivals, max_concurrency, desc or f"rate {rate:g}/s")
+    ids = {r.request_id for r in sent.records if r.request_id is not None}
+    queued = None if trace_file is None else await read_queueing(trace_file, ids)
+    return RateResult(rate, arrivals, max_concurrency, sent, queued)
+
+
+async def run_rates(workload: Workload, rates: list[float], requests_per_rate: int, slo: Slo,
+                    arrivals: Arrivals = "poisson", seed: int = 0, max_concurrency: int | None = None,
+                    trace_file: Path | None = None, label: str = "") -> list[RateResult]:
+    """Run the rates one after the other, each with its own schedule from the same seed, printing a one-line
+    summary after each."""
+    results = []
+    for rate in rates:
+        schedule = arrival_times(rate, requests_per_rate, arrivals, seed)
+        result = await run_rate(workload, rate, schedule, max_concurrency, trace_file,
+                                desc=f"{label} rate={rate:g}/s".strip())
+        results.append(result)
+        tqdm.write(format_rate_summary(result.summary(slo)))
+    return results
+
+
+def format_rate_summary(s: dict[str, Any]) -> str:
+    def ms(stats: dict[str, float] | None, stat: str) -> str:
+        return "  n/a" if stats is None else f"{1000 * stats[stat]:5.0f}"
+
+    return (f"rate {s['rate']:5g}/s: achieved {s['achieved_rate']:5.2f}/s, {s['output_tokens_per_s']:6.1f} tok/s, "
+            f"TTFT p50 {ms(s['ttft_s'], 'p50')} p90 {ms(s['ttft_s'], 'p90')} ms, ITL p50 {ms(s['itl_s'], 'p50')} ms, "
+            f"queued p50 {ms(s['queued_s'], 'p50')} ms, goodput {s['goodput']:5.2f}/s "
+            f"({100 * s['goodput_share']:3.0f}% met the SLOs), in flight {s['in_flight']['mean'] or 0:5.1f}, "
+            + ("" if s.get("engine_busy") is None else f"engine busy {100 * s['engine_busy']:3.0f}%, ")
             + f"errors {s['errors']}")
 
 

@@ -1,4 +1,5 @@
-"""The standard benchmark figure: four panels against concurrency, one line per result file.
+"""The standard benchmark figure: four panels against concurrency, one line per result file (and the open
+loop's, ``plot_rates``: latency and goodput against the offered rate).
 
 End-to-end latency, inter-token latency, output tokens/s and requests in flight (with the engine's
 busy fraction where the server reports it), each plotted against the concurrency level on a log2
@@ -130,6 +131,66 @@ def plot_results(results: Sequence[Result | str | Path], out: str | Path) -> Pat
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
     fig.suptitle(" vs ".join(r["name"] for r in loaded) + "\n" + subtitle(loaded), fontsize=11)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    return out
+
+
+def rate_points(result: Result, value: Callable[[Level], float | None]) -> tuple[list[float], list[float]]:
+    """(offered rate, value) for the rates of an open-loop result that have a value."""
+    kept = [(rate["rate"], v) for rate in result["rates"] if (v := value(rate)) is not None]
+    return [r for r, _ in kept], [v for _, v in kept]
+
+
+def rates_subtitle(result: Result) -> str:
+    workload, slo = result["workload"], result["slo"]
+    cap = "" if workload["max_concurrency"] is None else f", at most {workload['max_concurrency']} in flight"
+    return (f"{result['model']} on {result['device']} ({result['dtype']}), {workload['requests_per_rate']} requests "
+            f"per rate, {workload['arrivals']} arrivals{cap}, {workload['max_tokens']} output tokens each; SLO: TTFT "
+            f"{slo['ttft_ms']:g} ms, ITL {slo['itl_ms']:g} ms (a request's mean gap), met by {100 * slo['share']:g}%")
+
+
+def plot_rates(results: Sequence[Result | str | Path], out: str | Path) -> Path:
+    """The open loop's figure, one curve per result (dicts or JSON paths), against the offered rate: TTFT p50
+    (solid) and p90 (dashed) on a log scale, ITL p50, and the share of requests that met both SLOs. The
+    first result's SLOs are the grey horizontal lines; each result's sustainable rate is a dotted vertical
+    line in its colour. Where the TTFT curves turn upward is the knee: the rate at which requests start to
+    queue faster than the server drains them."""
+    loaded = [load_result(r) for r in results]
+    fig = Figure(figsize=(15, 5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ttft, itl, share = fig.subplots(1, 3)
+    for i, result in enumerate(loaded):
+        color, name = f"C{i}", result["name"]
+        ttft.plot(*rate_points(result, latency("ttft_s", "p50")), "o-", color=color, label=f"{name} p50")
+        ttft.plot(*rate_points(result, latency("ttft_s", "p90")), "--", color=color, label=f"{name} p90")
+        itl.plot(*rate_points(result, latency("itl_s", "p50")), "o-", color=color, label=f"{name} p50")
+        share.plot(*rate_points(result, lambda rate: 100 * rate["goodput_share"]), "o-", color=color, label=name)
+        if (sustainable := result["sustainable_rate"]) is not None:
+            for ax in (ttft, itl, share):
+                ax.axvline(sustainable, color=color, linestyle=":", alpha=0.8)
+            share.plot([], [], ":", color=color, label=f"{name}: sustains {sustainable:g}/s")
+    slo = loaded[0]["slo"]
+    for ax, target, label in ((ttft, slo["ttft_ms"], "TTFT SLO"), (itl, slo["itl_ms"], "ITL SLO"),
+                              (share, 100 * slo["share"], "required share")):
+        ax.axhline(target, color="0.4", linestyle="-.", linewidth=1, label=f"{label} ({target:g})")
+    ttft.set(title="Time to first token (log scale)", ylabel="ms", yscale="log")
+    for axis_formatter in (ttft.yaxis.set_major_formatter, ttft.yaxis.set_minor_formatter):
+        axis_formatter(FuncFormatter(lambda value, _: f"{value:g}"))  # 200, 300, not 2 x 10^2
+    itl.set(title="Inter-token latency (p50 of requests' mean gaps)", ylabel="ms")
+    share.set(title="Requests that met both SLOs", ylabel="% of requests")
+    itl.set_ylim(bottom=0)
+    share.set_ylim(0, 105)
+    rates = sorted({rate["rate"] for result in loaded for rate in result["rates"]})
+    for ax in (ttft, itl, share):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(rates, [f"{rate:g}" for rate in rates])
+        ax.set_xlabel("offered rate (requests/s)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(" vs ".join(r["name"] for r in loaded) + ": latency against the offered rate\n"
+                 + rates_subtitle(loaded[0]), fontsize=11)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)

@@ -12,12 +12,14 @@ import sys
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 from common import bench, loadgen, plots
 from common.loadgen import InFlight, LevelResult, RequestRecord
+from common.trace import Tracer
 
-from .conftest import REPO, stage
+from .conftest import REPO, serve_stage, stage
 
 MODEL = "smollm2-135m-instruct"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -297,6 +299,181 @@ def test_bench_shared_prefix_against_a_running_server_by_url(server02, tmp_path)
     level = result["levels"][0]
     assert level["errors"] == 0 and level["output_tokens"] == 4
     assert level["prefix_cache_hit_rate"] is None  # stage 02 has no prefix cache, so no counters
+
+
+# --- the open loop: requests at a rate (--request-rate) ------------------------------------------------------
+
+
+def test_poisson_arrivals_have_gaps_of_mean_one_over_the_rate_and_repeat_with_their_seed():
+    times = loadgen.arrival_times(4.0, 20_001, "poisson", seed=1)
+    gaps = np.diff(times)
+    assert times[0] == 0.0 and len(times) == 20_001 and (gaps > 0).all()
+    # Exponential gaps: mean 1/R, and a standard deviation as large as the mean (what makes bursts).
+    assert gaps.mean() == pytest.approx(0.25, rel=0.03) and gaps.std() == pytest.approx(0.25, rel=0.05)
+    assert loadgen.arrival_times(4.0, 50, seed=1) == times[:50]  # the same seed, the same schedule
+    assert loadgen.arrival_times(4.0, 50, seed=2) != times[:50]
+    # Every rate of a sweep gets the same pattern of bursts, scaled: twice the rate, half the times.
+    assert loadgen.arrival_times(8.0, 50, seed=1) == pytest.approx([t / 2 for t in times[:50]])
+    assert loadgen.arrival_times(4.0, 1) == [0.0] and loadgen.arrival_times(4.0, 0) == []
+
+
+def test_fixed_arrivals_are_exactly_one_over_the_rate_apart():
+    times = loadgen.arrival_times(3.0, 10, "fixed", seed=7)
+    assert times[0] == 0.0 and len(times) == 10
+    assert np.diff(times) == pytest.approx([1 / 3] * 9, abs=1e-12)
+    assert times == loadgen.arrival_times(3.0, 10, "fixed", seed=8)  # no randomness: the seed is not used
+
+
+def test_open_loop_sends_on_schedule_while_the_server_is_still_busy(server02):
+    """Stage 02 serves one request at a time. A closed loop of one would send the next request only after the
+    previous answer; the open loop sends all six within 0.1 s, and the later ones wait (their TTFT grows)."""
+    assert server02.wait_idle()
+    workload = loadgen.Workload(server02.url, MODEL, max_tokens=8)
+    arrivals = loadgen.arrival_times(50.0, 6, "fixed")
+    result = asyncio.run(loadgen.run_rate(workload, 50.0, arrivals))
+    records = result.sent.records
+    assert all(r.ok for r in records), [r.error for r in records]
+    for record, due in zip(records, arrivals, strict=True):
+        assert due - 1e-3 <= record.start_s < due + 0.25  # sent when due, not when the previous one finished
+        assert record.request_id.startswith("cmpl-")  # the server's id: what its trace is filed under
+    first_answer_ends = min(r.start_s + r.e2e_s for r in records)
+    assert sum(r.start_s < first_answer_ends for r in records) >= 3  # a closed loop of one: exactly 1
+    by_start = sorted(records, key=lambda r: r.start_s)
+    assert by_start[-1].ttft_s > by_start[0].ttft_s  # the last waited behind the others
+    assert result.queued_s is None  # no trace file given
+
+
+def test_goodput_counts_only_requests_that_met_both_slos():
+    slo = loadgen.Slo(ttft_s=0.5, itl_s=0.05)
+
+    def record(index: int, ttft_s: float, itl_s: float | None) -> RequestRecord:
+        return RequestRecord(index, start_s=0.0, ok=True, ttft_s=ttft_s, itl_s=itl_s, e2e_s=ttft_s + 1.0,
+                             output_tokens=8, request_id=f"cmpl-{index}")
+
+    records = [record(0, 0.2, 0.03),  # met both
+               record(1, 0.6, 0.03),  # missed TTFT
+               record(2, 0.2, 0.08),  # missed ITL
+               record(3, 0.5, 0.05),  # exactly on both targets: met
+               record(4, 0.1, None),  # one token, no gap: judged on TTFT alone, met
+               RequestRecord(5, start_s=0.0, error="RuntimeError: HTTP 500")]  # failed: never met
+    assert [slo.met_by(r) for r in records] == [True, False, False, True, True, False]
+    sent = loadgen.Sent(wall_s=3.0, records=records, in_flight=InFlight("server", [(0.0, 2)]), engine_busy=0.5,
+                        prefix_cache_hit_rate=None)
+    queued = {"cmpl-0": 0.0, "cmpl-1": 0.4, "cmpl-2": 0.1, "cmpl-3": 0.3, "cmpl-4": 0.0}
+    summary = loadgen.RateResult(2.0, [0.0] * 6, None, sent, queued).summary(slo)
+    assert summary["goodput"] == pytest.approx(1.0)  # 3 requests met both, over 3 s
+    assert summary["goodput_share"] == pytest.approx(0.5)  # 3 of 6
+    assert summary["achieved_rate"] == pytest.approx(5 / 3) and summary["errors"] == 1
+    assert summary["output_tokens_per_s"] == pytest.approx(40 / 3)
+    assert summary["ttft_s"]["p50"] == pytest.approx(0.2) and summary["ttft_s"]["p90"] == pytest.approx(0.56)
+    assert summary["queued_s"]["mean"] == pytest.approx(0.16) and summary["queued_s"]["p90"] == pytest.approx(0.36)
+    assert loadgen.RateResult(2.0, [0.0] * 6, None, sent).summary(slo)["queued_s"] is None  # untraced
+    assert loadgen.TailStats.of([float(v) for v in range(1, 11)]).p90 == pytest.approx(9.1)
+    assert "goodput  1.00/s ( 50% met the SLOs)" in loadgen.format_rate_summary(summary)
+
+
+def test_the_sustainable_rate_is_the_highest_whose_share_met_the_slos():
+    summaries = [{"rate": 1.0, "goodput_share": 1.0}, {"rate": 2.0, "goodput_share": 0.95},
+                 {"rate": 4.0, "goodput_share": 0.7}, {"rate": 8.0, "goodput_share": 0.2}]
+    assert loadgen.sustainable_rate(summaries, 0.9) == 2.0
+    assert loadgen.sustainable_rate(summaries, 0.96) == 1.0
+    assert loadgen.sustainable_rate(summaries, 0.5) == 4.0
+    assert loadgen.sustainable_rate(summaries[2:], 0.9) is None  # not even the lowest rate: none
+    assert loadgen.sustainable_rate([], 0.9) is None
+
+
+def test_queueing_time_comes_from_a_traced_stage_servers_queued_spans(engine02, tmp_path):
+    # A preempted request waits twice: its queueing time is the sum, as the trace's totals give it.
+    assert loadgen.queued_seconds([{"request_id": "a", "totals_ms": {"queued": 150.0, "prefill": 9.0}},
+                                   {"request_id": "b", "totals_ms": {"prefill": 9.0}}]) == {"a": 0.15, "b": 0.0}
+    path = tmp_path / "traces.jsonl"
+    with serve_stage("02_streaming", engine02, tracer=Tracer(str(path))) as server:
+        workload = loadgen.Workload(server.url, MODEL, max_tokens=8)
+        result = asyncio.run(loadgen.run_rate(workload, 50.0, loadgen.arrival_times(50.0, 5, "fixed"),
+                                              trace_file=path))
+    records = sorted(result.sent.records, key=lambda r: r.start_s)
+    assert all(r.ok for r in records) and set(result.queued_s) == {r.request_id for r in records}
+    for record in records:  # the queue is part of what the client saw as its time to first token
+        assert 0 <= result.queued_s[record.request_id] <= record.ttft_s + 0.01
+    # One request at a time: the last to arrive waited for the others to be served.
+    assert result.queued_s[records[-1].request_id] > result.queued_s[records[0].request_id] + 0.05
+    summary = result.summary(loadgen.Slo(0.5, 0.05))["queued_s"]
+    assert 0 <= summary["p50"] <= summary["p90"] <= summary["p99"]
+
+
+def fake_rates_result(name: str, sustainable: float | None) -> dict:
+    def stats(value: float) -> dict[str, float]:
+        return {"mean": value, "p50": value, "p99": 2 * value, "p90": 1.5 * value}
+
+    rates = [{"rate": r, "ttft_s": stats(0.1 * r), "itl_s": stats(0.03), "goodput_share": min(1.0, 1 / r)}
+             for r in (0.5, 1.0, 2.0, 4.0)]
+    return {"name": name, "model": MODEL, "device": "cpu", "dtype": "float32", "rates": rates,
+            "sustainable_rate": sustainable, "slo": {"ttft_ms": 500.0, "itl_ms": 50.0, "share": 0.9},
+            "workload": {"rates": [0.5, 1.0, 2.0, 4.0], "requests_per_rate": 8, "max_tokens": 16,
+                         "arrivals": "poisson", "max_concurrency": None, "shared_prefix_tokens": 0}}
+
+
+def test_open_loop_results_have_their_own_name_figure_and_comparison(tmp_path):
+    args = bench.parse_args(["--stage", "04", "--request-rate", "0.5", "2"])
+    rates = bench.rate_sweep_of(args)
+    assert rates.rates == [0.5, 2.0] and rates.arrivals == "poisson" and rates.seed == 0
+    assert rates.max_concurrency is None and rates.slo == loadgen.Slo(0.5, 0.05) and rates.slo_share == 0.9
+    assert bench.rate_sweep_of(bench.parse_args(["--stage", "04"])) is None  # the closed loop, as before
+    custom = bench.parse_args(["--stage", "04", "--request-rate", "1", "--arrivals", "fixed", "--seed", "3",
+                               "--max-concurrency", "4", "--slo-ttft-ms", "2000", "--slo-itl-ms", "100"])
+    assert bench.rate_sweep_of(custom) == bench.RateSweep([1.0], "fixed", 3, 4, loadgen.Slo(2.0, 0.1), 0.9)
+    for wrong in (["--request-rate", "1", "--levels", "4"], ["--request-rate", "0"], ["--slo-share", "1.5"],
+                  ["--request-rate", "1", "--max-concurrency", "0"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--stage", "04", *wrong])
+    # Closed and open results of the previous stage never stand in for each other.
+    (tmp_path / "03_paged_kv_rates.json").write_text(json.dumps(fake_rates_result("03_paged_kv_rates", 1.0)))
+    assert bench.previous_stage_result(tmp_path, "04") == []
+    (tmp_path / "03_paged_kv.json").write_text(json.dumps(fake_result("03_paged_kv", True)))
+    assert [p.name for p in bench.previous_stage_result(tmp_path, "04")] == ["03_paged_kv.json"]
+    assert [p.name for p in bench.previous_stage_result(tmp_path, "04", rates=True)] == ["03_paged_kv_rates.json"]
+    out = plots.plot_rates([fake_rates_result("03_paged_kv_rates", 1.0), fake_rates_result("04_rates", None)],
+                           tmp_path / "rates.png")
+    assert out.read_bytes()[:8] == PNG_MAGIC
+    assert bench.sustainable_line(fake_rates_result("x", 2.0)).startswith("Sustainable rate: 2 requests/s")
+    assert "none of the rates" in bench.sustainable_line(fake_rates_result("x", None))
+
+
+def test_bench_open_loop_end_to_end(tmp_path):
+    command = [sys.executable, "-m", "common.bench", "--stage", "02", "--request-rate", "2", "4", "--requests", "6",
+               "--max-tokens", "8", "--out", str(tmp_path)]
+    run = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+
+    assert not (tmp_path / "02_streaming.json").exists()  # never the closed loop's file
+    result = json.loads((tmp_path / "02_streaming_rates.json").read_text())
+    assert result["name"] == "02_streaming_rates" and "--trace" in result["server_command"]
+    assert result["workload"]["rates"] == [2.0, 4.0] and result["workload"]["arrivals"] == "poisson"
+    assert result["slo"] == {"ttft_ms": 500.0, "itl_ms": 50.0, "share": 0.9,
+                             "itl_is": "each request's mean gap between tokens"}
+    assert result["queueing"].startswith("the server's traces")
+    assert [rate["rate"] for rate in result["rates"]] == [2.0, 4.0]
+    for rate in result["rates"]:
+        assert rate["errors"] == 0 and len(rate["records"]) == 6 and rate["output_tokens"] == 48
+        assert rate["arrivals_s"] == pytest.approx(loadgen.arrival_times(rate["rate"], 6), abs=1e-4)
+        assert all(r["queued_s"] is not None for r in rate["records"])  # every request found in the traces
+        assert rate["queued_s"]["p50"] <= rate["queued_s"]["p90"] and rate["in_flight"]["source"] == "server"
+        assert 0 <= rate["goodput_share"] <= 1 and rate["ttft_s"]["p90"] <= rate["ttft_s"]["p99"]
+    assert result["sustainable_rate"] == loadgen.sustainable_rate(result["rates"], 0.9)
+    assert "Sustainable rate:" in run.stdout
+    assert (tmp_path / "02_streaming_rates.png").read_bytes()[:8] == PNG_MAGIC
+    with pytest.raises(httpx.ConnectError):  # the server is gone
+        httpx.get(f"{result['url']}/health", timeout=2)
+
+
+def test_bench_open_loop_against_an_outside_server_has_no_queueing_and_says_why(server02, tmp_path):
+    bench.main(["--url", server02.url, "--model", MODEL, "--name", "outside", "--device", "cpu", "--request-rate",
+                "20", "--requests", "2", "--max-tokens", "2", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "outside_rates.json").read_text())
+    assert result["queueing"].startswith("none: an outside server (--url)")
+    [rate] = result["rates"]
+    assert rate["queued_s"] is None and all(r["queued_s"] is None for r in rate["records"])
+    assert rate["errors"] == 0 and rate["output_tokens"] == 4
 
 
 # --- speculative decoding's benchmark (08_speculative/spec_bench.py) -------------------------------------------
