@@ -11,10 +11,10 @@ everyone else's decodes.
 A decoding sequence may also bring guesses of its next tokens (``proposer.py``): the scheduler
 reserves room for them, the proposer fills it, the model runs the last token and the guesses in one
 pass, and verification (``speculative.py``) keeps the longest run the model agrees with, plus one token
-of its own: 1 to k + 1 tokens per sequence and step, exactly those it would have produced one by one.
-The rejected guesses' blocks go back to the pool. How many guesses each sequence gets, 0 to k, the
-policy (``policy.py``) decides each step, from what a step costs (measured at start-up) and how often the
-sequence's guesses have been kept.
+of its own: 1 to k + 1 tokens per sequence and step, those it would have produced one by one (near-ties
+of float32 rounding aside). The rejected guesses' blocks go back to the pool. How many guesses each
+sequence gets, 0 to k, the policy (``policy.py``) decides each step, from what a step costs (measured at
+start-up) and how often the sequence's guesses have been kept.
 
 The model may be split across N processes (``--tensor-parallel-size``). This engine is rank 0: it
 starts the other ranks, and every rank starts up the same way (``worker.py``: once all have loaded their

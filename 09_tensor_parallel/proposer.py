@@ -1,8 +1,9 @@
 """Proposers: cheap guesses of a sequence's next k tokens, for the model to check in one pass.
 
 A guess costs far less than a step of the model, and a wrong one costs only the row that checked it:
-verification (``speculative.py``) keeps exactly the tokens the model would have produced anyway. Two
-proposers, one interface (``propose(seqs, ks)``: up to ``ks[i]`` tokens for ``seqs[i]``):
+verification (``speculative.py``) keeps the tokens the model would have produced anyway (near-ties of
+float32 rounding aside). Two proposers, one interface (``propose(seqs, ks)``: up to ``ks[i]`` tokens
+for ``seqs[i]``):
 
 * **n-gram prompt lookup.** No model: the sequence's last n tokens occurred earlier in its prompt or
   output? Guess that what followed them then follows them again. Strong when the answer repeats the

@@ -1,9 +1,10 @@
-"""Verification: one forward pass checks k guessed tokens, and keeps exactly what the model would have produced.
+"""Verification: one forward pass checks k guessed tokens, and keeps what the model would have produced.
 
 A proposer (``proposer.py``) guesses the next k tokens of a sequence, d1 .. dk. The step then runs the
 sequence's last token *and* the guesses, k + 1 rows, as a short prefill over the paged cache. Row i
 sees the sequence plus d1 .. di, so its logits are what a plain decode step would have seen after
-accepting those i guesses::
+accepting those i guesses, to float32 rounding (a product of more rows may sum in another order, which can
+tip a near-tie between two tokens, as chunked prefill and padded buckets can)::
 
     cache: t1 .. t(L-1)        this step's rows:  [ tL | d1  d2  d3  d4 ]   (k = 4: five rows)
     the model's token per row:                    [ a0 | a1  a2  a3  a4 ]
