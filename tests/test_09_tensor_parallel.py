@@ -19,6 +19,7 @@ import threading
 import time
 import weakref
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -421,26 +422,34 @@ def exits_at_once(rank: int, init_method: str) -> None:
     os._exit(3)
 
 
-def test_a_worker_that_exits_before_joining_fails_the_start_at_once(monkeypatch):
-    """Rank 0 waits for its workers to check in while watching them: one that exits fails the start within seconds,
-    naming its rank and exit code, instead of leaving rank 0 in the rendezvous (which has no timeout) for good."""
+def assert_the_start_fails_at_once(start: Callable[[], object], monkeypatch, exit_code: int, timeout_s: float) -> None:
+    """``start()`` (it starts ranks) raises within ``timeout_s``, naming the worker that exited with ``exit_code``;
+    no process group is left, and every worker it spawned is gone. Run on a thread: without the check under test,
+    rank 0 would wait for ever."""
     spawned, outcome = [], {}
     spawn_workers = distributed.spawn_workers
     monkeypatch.setattr(distributed, "spawn_workers", lambda *args: spawned.extend(spawn_workers(*args)) or spawned)
 
-    def start() -> None:
+    def run() -> None:
         try:
-            distributed.start_ranks(3, torch.device("cpu"), 5.0, exits_at_once, ())
+            start()
         except Exception as exc:
             outcome["error"] = exc
 
-    thread = threading.Thread(target=start, daemon=True)  # without the check, it would wait for ever
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    thread.join(60)
+    thread.join(timeout_s)
     assert not thread.is_alive(), "rank 0 still waits for a worker that has exited"
-    assert "exited (exit code 3)" in str(outcome["error"])
+    assert f"exited (exit code {exit_code})" in str(outcome["error"])
     assert not torch.distributed.is_initialized()
     assert_all_stopped([worker.pid for worker in spawned])
+
+
+def test_a_worker_that_exits_before_joining_fails_the_start_at_once(monkeypatch):
+    """Rank 0 waits for its workers to check in while watching them: one that exits fails the start within seconds,
+    naming its rank and exit code, instead of leaving rank 0 in the rendezvous (which has no timeout) for good."""
+    assert_the_start_fails_at_once(lambda: distributed.start_ranks(3, torch.device("cpu"), 5.0, exits_at_once, ()),
+                                   monkeypatch, exit_code=3, timeout_s=60)
 
 
 def dies_loading_worker(rank: int, init_method: str, *args) -> None:
@@ -453,25 +462,10 @@ def dies_loading_worker(rank: int, init_method: str, *args) -> None:
 def test_a_worker_that_dies_loading_its_weights_fails_the_start_and_leaves_no_process(tiny, monkeypatch):
     """After the rendezvous, rank 0 waits for the others' weights in the start-up group, which has no timeout: it
     watches its workers meanwhile, so one that dies there fails the start within seconds, and the group is gone."""
-    engine_module = stage(FOLDER, "engine")
-    monkeypatch.setattr(engine_module, "run_worker", dies_loading_worker)
-    spawned, outcome = [], {}
-    spawn_workers = distributed.spawn_workers
-    monkeypatch.setattr(distributed, "spawn_workers", lambda *args: spawned.extend(spawn_workers(*args)) or spawned)
-
-    def start() -> None:
-        try:
-            make_engine(FOLDER, tiny["llama"], kv_cache_mb=4, tensor_parallel_size=2, speculative="off")
-        except Exception as exc:
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=start, daemon=True)  # without the watch, it would wait for ever
-    thread.start()
-    thread.join(90)
-    assert not thread.is_alive(), "rank 0 still waits for a worker that died loading its weights"
-    assert "exited (exit code 4)" in str(outcome["error"])
-    assert not torch.distributed.is_initialized()
-    assert_all_stopped([worker.pid for worker in spawned])
+    monkeypatch.setattr(stage(FOLDER, "engine"), "run_worker", dies_loading_worker)
+    assert_the_start_fails_at_once(
+        lambda: make_engine(FOLDER, tiny["llama"], kv_cache_mb=4, tensor_parallel_size=2, speculative="off"),
+        monkeypatch, exit_code=4, timeout_s=90)
 
 
 SLOW_LOAD_S = 5.0  # a worker's weights load this much later than rank 0's: longer than the test's --dist-timeout
