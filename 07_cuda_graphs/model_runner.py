@@ -306,7 +306,11 @@ class ModelRunner:
         (Triton's compilation, cuBLAS's workspace) happens outside the graph. The buffers hold padding
         only (slot -1, context 0): capturing writes no K/V and reads none."""
         assert self.device.type == "cuda" and use_triton(self.device), "CUDA graphs need CUDA and the Triton kernels"
-        start, free_before = time.perf_counter(), torch.cuda.mem_get_info(self.device)[0]
+        # What this process's allocator reserves for the graphs' pool (the device's free memory would also move
+        # with every other process on the GPU). Capturing empties the allocator's cache first, so empty it here
+        # too: what it held before must not count against the graphs.
+        torch.cuda.empty_cache()
+        start, reserved_before = time.perf_counter(), torch.cuda.memory_reserved(self.device)
         self.buffers.load(StepInput([], [], [], [0], [], [], [], [], []), self.sizes[-1])  # all padding
         pool = None
         for size in reversed(self.sizes):
@@ -319,7 +323,7 @@ class ModelRunner:
             self.graphs[size] = graph
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
-        self.graph_memory_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
+        self.graph_memory_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
 
 
 # --- building a runner --------------------------------------------------------------------------------
