@@ -29,6 +29,8 @@ The highest rate at which at least ``--slo-share`` of the requests met them is t
 A stage started here runs with ``--trace`` (stages 02 on), and each request's time in the server's queue,
 which the client cannot see, is read from its trace. The result is ``<name>_rates.json`` (never the
 closed loop's file) with its figure: latency against the offered rate, the knee where the queue starts.
+``--rescore FILE [FILE ...]`` judges saved open-loop results against other targets without measuring again:
+the records are kept, and the targets are a choice about the service.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -61,6 +63,7 @@ from .loadgen import (
     Arrivals,
     LevelResult,
     RateResult,
+    RequestRecord,
     Slo,
     Workload,
     probe_streaming,
@@ -113,6 +116,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--stage", help="stage number, e.g. 02: start its server on a free loopback port")
     target.add_argument("--url", help="root URL of an OpenAI-compatible server that is already running")
+    target.add_argument("--rescore", type=Path, nargs="+", metavar="FILE",
+                        help="open-loop results (_rates.json) to judge again against --slo-ttft-ms, --slo-itl-ms and "
+                             "--slo-share, from their raw records: each file and its figure are rewritten (with "
+                             "several files, rates.png beside the first shows them all); nothing is sent")
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help=f"model to serve (--stage) or to name in requests (--url); default {DEFAULT_MODEL}")
     parser.add_argument("--name", help="label for the result file and the figure (default: the stage folder)")
@@ -436,11 +443,45 @@ def open_loop_json(results: list[RateResult], rates: RateSweep, queueing: str) -
     """The open loop's part of a result: the SLOs, the sustainable rate, where queueing times come from, and
     every rate."""
     summaries = [rate_json(result, rates.slo) for result in results]
-    return {"slo": {"ttft_ms": 1000 * rates.slo.ttft_s, "itl_ms": 1000 * rates.slo.itl_s, "share": rates.slo_share,
-                    "itl_is": "each request's mean gap between tokens"},
+    return {"slo": slo_json(rates.slo, rates.slo_share),
             "sustainable_rate": sustainable_rate(summaries, rates.slo_share),
             "queueing": queueing,
             "rates": summaries}
+
+
+def slo_json(slo: Slo, share: float) -> dict[str, Any]:
+    return {"ttft_ms": 1000 * slo.ttft_s, "itl_ms": 1000 * slo.itl_s, "share": share,
+            "itl_is": "each request's mean gap between tokens"}
+
+
+def rescore(result: dict[str, Any], slo: Slo, share: float) -> dict[str, Any]:
+    """An open-loop result judged against other latency targets: each rate's goodput and the sustainable rate,
+    recomputed from the raw records; nothing measured changes. Targets are a choice about the service, not part
+    of the measurement (a GPU's 500 ms / 50 ms are out of a 2-core CPU's reach at any load), so one sweep can
+    answer for several."""
+    assert "rates" in result, f"{result.get('name')}: not an open loop's result (a _rates.json file)"
+    names = {f.name for f in fields(RequestRecord)}
+    rates = []
+    for rate in result["rates"]:
+        records = [RequestRecord(**{k: v for k, v in r.items() if k in names}) for r in rate["records"]]
+        met = sum(slo.met_by(r) for r in records)
+        rates.append({**rate, "goodput": met / rate["wall_s"] if rate["wall_s"] > 0 else 0.0,
+                      "goodput_share": met / len(records) if records else 0.0})
+    return {**result, "slo": slo_json(slo, share), "sustainable_rate": sustainable_rate(rates, share),
+            "rates": rates}
+
+
+def rescore_files(paths: list[Path], slo: Slo, share: float, compare: list[Path]) -> None:
+    """``--rescore``: rewrite each file and its figure under the new targets, and print each conclusion."""
+    rescored = []
+    for path in paths:
+        result = rescore(json.loads(path.read_text()), slo, share)
+        path.write_text(dumps(result) + "\n")
+        plot_rates([*compare, result], path.with_suffix(".png"))
+        print(f"{result['name']}: {sustainable_line(result)}")
+        rescored.append(result)
+    if len(rescored) > 1:
+        print(f"Wrote {plot_rates(rescored, paths[0].parent / 'rates.png')}")
 
 
 def shared_prefix_tokens_of(path: Path) -> int:
@@ -553,6 +594,10 @@ def sustainable_line(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.rescore:
+        slo = Slo(ttft_s=args.slo_ttft_ms / 1000, itl_s=args.slo_itl_ms / 1000)
+        rescore_files(args.rescore, slo, args.slo_share, list(args.compare))
+        return
     exit_on_sigterm()
     result = run(args)
     name, out_dir = result["name"], out_dir_of(args, result["device"])

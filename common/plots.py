@@ -189,8 +189,9 @@ def plot_rates(results: Sequence[Result | str | Path], out: str | Path) -> Path:
         ax.set_xlabel("offered rate (requests/s)")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(" vs ".join(r["name"] for r in loaded) + ": latency against the offered rate\n"
-                 + rates_subtitle(loaded[0]), fontsize=11)
+    names = [r["name"].removesuffix("_rates") for r in loaded]
+    title = " vs ".join(names) if len(names) <= 2 else f"{names[0]} to {names[-1]}"  # each one is in the legends
+    fig.suptitle(f"{title}: latency against the offered rate\n" + rates_subtitle(loaded[0]), fontsize=11)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)

@@ -9,6 +9,7 @@ import json
 import shlex
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import httpx
@@ -437,6 +438,34 @@ def test_open_loop_results_have_their_own_name_figure_and_comparison(tmp_path):
     assert out.read_bytes()[:8] == PNG_MAGIC
     assert bench.sustainable_line(fake_rates_result("x", 2.0)).startswith("Sustainable rate: 2 requests/s")
     assert "none of the rates" in bench.sustainable_line(fake_rates_result("x", None))
+
+
+def test_rescoring_judges_saved_records_against_other_targets_and_rewrites_files_and_figures(tmp_path, capsys):
+    def rate(offered: float, itl_s: list[float]) -> dict:  # one request per ITL, each with a TTFT of 0.3 s
+        records = [{**asdict(RequestRecord(i, start_s=0.0, ok=True, ttft_s=0.3, itl_s=gap, e2e_s=1.0,
+                                           output_tokens=8)), "queued_s": 0.0} for i, gap in enumerate(itl_s)]
+        return {**fake_rates_result("x", None)["rates"][0], "rate": offered, "wall_s": 2.0, "records": records,
+                "goodput": 0.0, "goodput_share": 0.0}
+
+    paths, saved = [], []
+    for name, slow in (("04_rates", 0.2), ("05_rates", 0.12)):
+        saved.append({**fake_rates_result(name, None), "rates": [rate(0.5, [0.08] * 10), rate(1.0, [0.08] * 9 + [slow]),
+                                                                 rate(2.0, [slow] * 10)]})
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(saved[-1]))
+    bench.main(["--rescore", *map(str, paths), "--slo-ttft-ms", "1000", "--slo-itl-ms", "100", "--slo-share", "0.9"])
+    first = json.loads(paths[0].read_text())
+    assert first["slo"]["itl_ms"] == 100.0 and first["slo"]["ttft_ms"] == 1000.0
+    assert [r["goodput_share"] for r in first["rates"]] == [1.0, 0.9, 0.0]
+    assert first["rates"][0]["goodput"] == pytest.approx(5.0)  # 10 requests met both, over 2 s
+    assert first["sustainable_rate"] == 1.0 and first["rates"][2]["records"] == saved[0]["rates"][2]["records"]
+    bench.main(["--rescore", str(paths[1]), "--slo-itl-ms", "150"])  # ITL 0.12 s now meets the target
+    assert json.loads(paths[1].read_text())["sustainable_rate"] == 2.0
+    assert all(path.with_suffix(".png").read_bytes()[:8] == PNG_MAGIC for path in paths)
+    assert (tmp_path / "rates.png").read_bytes()[:8] == PNG_MAGIC  # several files: one figure of them all
+    assert "04_rates: Sustainable rate: 1 requests/s" in capsys.readouterr().out
+    with pytest.raises(AssertionError, match="not an open loop"):
+        bench.rescore(fake_result("closed", True), loadgen.Slo(1.0, 0.1), 0.9)
 
 
 def test_bench_open_loop_end_to_end(tmp_path):
