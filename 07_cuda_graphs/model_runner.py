@@ -259,13 +259,16 @@ class ModelRunner:
         return self.run_eager(step)
 
     def run_static(self, step: StepInput, size: int) -> torch.Tensor:
-        """A decode step from the static buffers, padded to ``size`` rows: replayed if captured, else eager."""
+        """A decode step from the static buffers, padded to ``size`` rows: replayed if that bucket was captured,
+        else run eagerly. Returns the hidden states of the step's own rows, [B, hidden] (a view of the buffer)."""
+        ### BEGIN SOLUTION 7.4
         self.buffers.load(step, size)
         if size in self.graphs:
             self.graphs[size].replay()  # every kernel of the forward pass, one launch, on the buffers
         else:
             self.forward_static(size)
         return self.buffers.hidden[: len(step.seq_lens)]
+        ### END SOLUTION
 
     def forward_static(self, size: int) -> None:
         """The forward pass on the first ``size`` rows of the static buffers, its output written into them.

@@ -107,8 +107,10 @@ class BlockManager:
 
         Only the blocks it must really allocate count, plus the shared ones that are evictable now:
         sharing takes those out of the evictable set, so they can no longer be given to others."""
+        ### BEGIN SOLUTION 5.5
         revived = sum(1 for block in cached if self.ref_counts[block] == 0)
         return self.blocks_needed(num_tokens) - len(cached) + revived <= self.num_available
+        ### END SOLUTION
 
     def allocate(self, block_table: list[int], cached: list[int], num_tokens: int) -> None:
         """Share ``cached`` (each count + 1), then add new blocks up to ``num_tokens`` tokens."""

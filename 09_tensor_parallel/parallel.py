@@ -8,7 +8,7 @@ A linear layer ``y = x @ W^T`` (W: [out, in]) can be split across N ranks two wa
         y   = sum_r x_r @ W_r^T      each rank's x_r is its slice of x; an all-reduce sums the parts
 
 The trick is to pair them: a column-parallel layer's output slice is exactly the input slice the next,
-row-parallel layer needs, so the pair costs one all-reduce. A decoder layer has two such pairs:
+row-parallel layer needs, so the pair costs one all-reduce (``column_row_pair``). A decoder layer has two pairs:
 
     attention: q/k/v projections column-parallel (each rank its heads), attention per head, o_proj row-parallel
     MLP:       gate/up column-parallel (each rank its features), SwiGLU per feature, down_proj row-parallel
@@ -119,6 +119,25 @@ class RowParallelLinear(nn.Module):
         bias = self.bias if self.tp.rank == 0 else None
         return self.tp.all_reduce(linear(x, self.weight, bias))
         ### END SOLUTION
+
+
+def column_row_pair(hidden_size: int, rows: list[Shard], bias: tuple[bool, bool],
+                    tp: TPGroup) -> tuple[nn.Module, nn.Module]:
+    """This rank's part of the two linear layers around a computation that works feature by feature (attention head
+    by head, SwiGLU feature by feature), split so that the pair costs one all-reduce: ``(first, second)``.
+
+    The first reads the hidden state and may stack several checkpoint matrices (q, k, v; gate, up): ``rows`` holds
+    this rank's rows of each, in order. The computation in between turns them into features shaped like the first
+    matrix's (attention's output has q's heads, SwiGLU's has gate's features); the second turns those back into the
+    hidden state, which every rank holds whole. ``bias``: whether the first and the second have one."""
+    ### BEGIN SOLUTION 9.5
+    # Column-parallel first: from the whole hidden state, this rank's rows of each stacked matrix, no communication.
+    first = ColumnParallelLinear(hidden_size, rows, bias=bias[0])
+    # Row-parallel second: its input features are the ones this rank computed in between, the first matrix's rows;
+    # its partial sums go through the pair's one all-reduce.
+    columns = Shard(1, rows[0].start, rows[0].stop)
+    return first, RowParallelLinear(columns, hidden_size, bias=bias[1], tp=tp)
+    ### END SOLUTION
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -52,7 +52,13 @@ def run_worker(rank: int, init_method: str, config: EngineConfig, max_num_batche
 
 
 def serve(runner: ModelRunner, tp: TPGroup) -> None:
-    """Run every step rank 0 broadcasts (this rank's part of it; rank 0 gathers the logits) until ``Stop``."""
+    """Run every step rank 0 broadcasts (this rank's part of it; rank 0 gathers the logits) until ``Stop``.
+
+    Rank 0 sends each step (``Ranks.send``) before it runs the step itself; ``tp.broadcast`` is the other end of
+    that call, and on a rank > 0 returns what rank 0 sent. Every step must be run, in the order sent: its forward
+    pass holds collectives that rank 0 enters too. ``Stop`` is not a step: it ends the loop, and the worker leaves."""
     assert tp.rank > 0, "rank 0 schedules the steps; the other ranks serve them"
-    while not isinstance(message := tp.broadcast(None), Stop):
+    ### BEGIN SOLUTION 9.6
+    while not isinstance(message := tp.broadcast(None), Stop):  # blocks until rank 0 sends the next message
         runner.execute(message)
+    ### END SOLUTION

@@ -41,7 +41,7 @@ from .attention import AttentionMetadata, paged_attention
 from .distributed import SINGLE, TPGroup
 from .kv_cache import CacheShape, KVCache
 from .matmul import linear
-from .parallel import ColumnParallelLinear, RowParallelLinear, Shard, VocabParallelEmbedding, even_shard, head_shards
+from .parallel import ColumnParallelLinear, Shard, VocabParallelEmbedding, column_row_pair, even_shard, head_shards
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
@@ -117,8 +117,9 @@ class ModelConfig:
         return CacheShape(self.num_layers, max(1, self.num_kv_heads // tp_size), self.head_dim, block_size, dtype)
 
     def tensor_parallel_sizes(self) -> list[int]:
-        """Every number of ranks this model splits across: the query heads divide by it, the KV heads either
-        divide by it or divide it (then each is replicated), and so do the MLP's features and the vocabulary."""
+        """Every number of ranks this model splits across, from 1 to its number of query heads: those that give
+        each rank whole query heads, whole KV heads (its own or a replicated one), and an equal share of the MLP's
+        features and of the vocabulary."""
         ### BEGIN SOLUTION 9.4
         return [n for n in range(1, self.num_heads + 1)
                 if self.num_heads % n == 0 and (self.num_kv_heads % n == 0 or n % self.num_kv_heads == 0)
@@ -236,10 +237,10 @@ class Attention(nn.Module):
         q_rows, kv_rows = head_shards(config.num_heads, config.num_kv_heads, config.head_dim, tp)
         self.head_dim = config.head_dim
         self.num_heads, self.num_kv_heads = q_rows.size // self.head_dim, kv_rows.size // self.head_dim  # this rank's
-        # q, k and v stacked: this rank's rows of each, [q_size + 2 * kv_size, hidden] / N, one matrix product.
-        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q_rows, kv_rows, kv_rows], bias=config.attention_bias)
-        self.o_proj = RowParallelLinear(Shard(1, q_rows.start, q_rows.stop), config.hidden_size,
-                                        bias=config.o_proj_bias, tp=tp)
+        # q, k and v stacked: this rank's rows of each, [q_size + 2 * kv_size, hidden] / N, one matrix product;
+        # o_proj reads this rank's heads' outputs.
+        self.qkv_proj, self.o_proj = column_row_pair(config.hidden_size, [q_rows, kv_rows, kv_rows],
+                                                     (config.attention_bias, config.o_proj_bias), tp)
         self.scale = config.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -263,10 +264,10 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         rows = even_shard(config.intermediate_size, tp)
-        # gate and up stacked: this rank's features of each, [2 * intermediate / N, hidden], one matrix product.
-        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [rows, rows], bias=config.mlp_bias)
-        self.down_proj = RowParallelLinear(Shard(1, rows.start, rows.stop), config.hidden_size, bias=config.mlp_bias,
-                                           tp=tp)
+        # gate and up stacked: this rank's features of each, [2 * intermediate / N, hidden], one matrix product;
+        # down_proj reads this rank's features after SwiGLU.
+        self.gate_up_proj, self.down_proj = column_row_pair(config.hidden_size, [rows, rows],
+                                                            (config.mlp_bias, config.mlp_bias), tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> gate, up: [T, intermediate / N] each -> [T, hidden]

@@ -2,14 +2,16 @@
 
 The buckets cover every batch size; padding rows write no K/V and attend to nothing; the buffers hold
 exactly the current step (ragged block tables padded in one tensor operation, the logits' rows loaded with
-it); the static path gives the eager path's logits at every batch size, and it leaves every block outside
-the batch untouched. On CUDA (``pytest -m cuda``): capture, and replay
-equal to eager, also when a sequence's block table grows between replays."""
+it); a step replays its bucket's graph on the buffers it was captured on and reads back its own rows (on a
+CPU with a fake graph that checks the buffers, on a tiny random model); the static path gives the eager
+path's logits at every batch size, and it leaves every block outside the batch untouched. On CUDA
+(``pytest -m cuda``): capture, and replay equal to eager, also when a sequence's block table grows between
+replays and when a smaller step follows a larger one in the same bucket."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 import torch
@@ -163,6 +165,173 @@ def test_a_table_wider_than_the_buffers_is_refused():
                                                   device=torch.device("cpu"))
     with pytest.raises(ValueError, match="wider"):
         buffers.load(decode_step([(40, [1, 2, 3])]), size=1)
+
+
+# --- replaying a bucket's graph, on a tiny random model ------------------------------------------------------
+
+TINY = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 128, "intermediate_size": 256,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 256, "tie_word_embeddings": True}
+SENTINEL = 1234.5
+
+
+def tiny_runner(device: str = "cpu", max_num_seqs: int = 8, num_blocks: int = 40):
+    """A runner on a random two-layer model (no checkpoint) and a pool of ``num_blocks`` blocks of 16: a step
+    from the static buffers in milliseconds. Its buckets: 1, 2, 4, 8."""
+    model_module, kv_module = stage(FOLDER, "model"), stage(FOLDER, "kv_cache")
+    config = model_module.ModelConfig.from_hf(TINY)
+    torch.manual_seed(0)
+    model = model_module.LlamaForCausalLM(config).to(device)
+    shape = config.cache_shape(16, torch.float32)
+    kv_cache = kv_module.KVCache.allocate(shape, num_blocks * shape.bytes_per_block, torch.device(device))
+    return model_runner.ModelRunner(model, kv_cache, 16, torch.device(device), max_num_seqs,
+                                    config.max_position_embeddings)
+
+
+def rows_from(first_block: int, lengths: list[int]) -> list[tuple[int, list[int]]]:
+    """A (context length, block table) row for each length, each on blocks of its own, from ``first_block`` on."""
+    rows = []
+    for length in lengths:
+        blocks = -(-length // 16)
+        rows.append((length, list(range(first_block, first_block + blocks))))
+        first_block += blocks
+    return rows
+
+
+def static_tensors(runner) -> dict[str, torch.Tensor]:
+    """What a captured decode step reads and writes: every tensor of the static buffers, and the KV cache."""
+    buffers = runner.buffers
+    tensors = {f.name: getattr(buffers, f.name) for f in fields(buffers)}
+    return {**{name: t for name, t in tensors.items() if isinstance(t, torch.Tensor)}, "kv_cache": runner.kv_cache.data}
+
+
+class FakeGraph:
+    """A stand-in for ``torch.cuda.CUDAGraph`` that runs on a CPU. "Captured" on a runner's buffers, it keeps the
+    tensors it saw (a real graph keeps its kernels' pointers, and its memory alive); a replay runs the bucket's
+    forward pass again, as a real one runs the recorded kernels. Before that it fails where a real graph would go
+    silently wrong: if a buffer is no longer the tensor it was captured on (a real replay would read the old one,
+    whatever the step copied into the new). Each replay keeps what the bucket's input rows held."""
+
+    INPUTS = ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables")
+
+    def __init__(self, runner, size: int) -> None:
+        self.runner, self.size = runner, size
+        self.captured = static_tensors(runner)
+        self.replays: list[dict[str, list]] = []  # per replay: each input buffer's first `size` rows
+
+    def replay(self) -> None:
+        for name, tensor in static_tensors(self.runner).items():
+            assert tensor.data_ptr() == self.captured[name].data_ptr(), (
+                f"{name} is not the tensor the graph was captured on: a real replay would read the old one")
+        buffers = self.runner.buffers
+        self.replays.append({name: getattr(buffers, name)[: self.size].tolist() for name in self.INPUTS})
+        self.runner.forward_static(self.size)
+
+
+def fake_capture(runner, sizes: list[int]) -> dict[int, FakeGraph]:
+    """What ``capture`` leaves, with fake graphs: the buffers all padding, a graph for each of ``sizes``."""
+    runner.buffers.load(model_runner.StepInput([], [], [], [0], [], [], [], [], []), runner.sizes[-1])
+    runner.graphs = {size: FakeGraph(runner, size) for size in sizes}
+    return runner.graphs
+
+
+def blocks_left_alone(runner, rows: list[tuple[int, list[int]]]) -> bool:
+    """Whether every block outside ``rows``' tables still holds the sentinel, in every layer, K and V."""
+    ours = {block for _, table in rows for block in table}
+    others = [block for block in range(runner.kv_cache.num_blocks) if block not in ours]
+    return bool(torch.all(runner.kv_cache.data[:, :, others] == SENTINEL))  # data: [2, L, N, S, Hkv, D]
+
+
+@pytest.mark.exercise("7.4")
+def test_a_decode_step_replays_its_buckets_graph_and_reads_back_its_own_rows():
+    runner = tiny_runner()
+    graphs = fake_capture(runner, runner.sizes)
+    step = decode_step(rows_from(1, [3, 20, 7, 40, 12]))  # 5 rows: bucket 8
+    eager, _ = runner.run_eager(step)
+    hidden = runner.run_static(step, 8)
+    assert {size: len(graph.replays) for size, graph in graphs.items()} == {1: 0, 2: 0, 4: 0, 8: 1}
+    assert hidden.shape == (5, TINY["hidden_size"]), "the step's own rows, not the bucket's"
+    assert graphs[8].replays[0]["seq_lens"] == [3, 20, 7, 40, 12, 0, 0, 0]  # loaded before the replay
+    torch.testing.assert_close(runner.model.compute_logits(hidden), eager, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.exercise("7.4")
+def test_a_smaller_step_in_the_same_bucket_leaves_no_row_of_the_last_one():
+    """8 rows, then 5 in the same bucket: rows 5 to 7 must be padding again. Left as they were, they are decoded
+    again, and write their K/V into blocks the step does not hold (by then, maybe another sequence's)."""
+    runner = tiny_runner()
+    graphs = fake_capture(runner, runner.sizes)
+    runner.run_static(decode_step(rows_from(1, [3, 20, 7, 40, 12, 5, 33, 9])), 8)  # blocks 1 to 13
+    rows = rows_from(20, [17, 4, 30, 8, 50])
+    runner.kv_cache.data.fill_(SENTINEL)
+    hidden = runner.run_static(decode_step(rows), 8)
+    read = graphs[8].replays[-1]  # what the bucket's kernels read at this replay
+    assert read["seq_lens"][:5] == [17, 4, 30, 8, 50], "the step itself was not loaded"
+    assert read["slot_mapping"][5:] == [-1] * 3 and read["seq_lens"][5:] == [0] * 3, "a row of the last step"
+    assert read["input_ids"][5:] == read["positions"][5:] == [0] * 3 and read["block_tables"][5:] == [[0] * 16] * 3
+    assert blocks_left_alone(runner, rows), "a row of the last step wrote K/V outside this step's blocks"
+    assert hidden.shape[0] == 5 and len(graphs[8].replays) == 2
+
+
+@pytest.mark.exercise("7.4")
+def test_a_bucket_without_a_graph_runs_eagerly_on_the_same_buffers():
+    """Only buckets 1, 2 and 4 captured: a step of 6 rows runs its bucket of 8 eagerly, a step of 2 replays."""
+    runner = tiny_runner()
+    graphs = fake_capture(runner, [1, 2, 4])
+    step = decode_step(rows_from(1, [3, 20, 7, 40, 12, 5]))
+    eager, _ = runner.run_eager(step)
+    hidden = runner.run_static(step, 8)
+    assert not any(graph.replays for graph in graphs.values())
+    torch.testing.assert_close(runner.model.compute_logits(hidden), eager, atol=1e-3, rtol=1e-4)
+    runner.run_static(decode_step(rows_from(30, [9, 18])), 2)
+    assert [len(graphs[size].replays) for size in (1, 2, 4)] == [0, 1, 0]
+
+
+def test_the_fake_graph_refuses_a_buffer_it_was_not_captured_on():
+    """The graded tests' stand-in can fail: a buffer swapped for a new tensor after capture is caught."""
+    runner = tiny_runner(num_blocks=4)
+    graph = fake_capture(runner, [1])[1]
+    runner.buffers.input_ids = runner.buffers.input_ids.clone()
+    with pytest.raises(AssertionError, match="input_ids is not the tensor"):
+        graph.replay()
+
+
+class CountedGraph:
+    """A real graph that counts its replays."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph) -> None:
+        self.graph, self.replays = graph, 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.graph.replay()
+
+
+@pytest.mark.cuda
+def test_real_graphs_replay_the_bucket_and_leave_no_row_of_the_last_step():
+    """Exercise 7.4 on real CUDA graphs, captured by ``capture``: the bucket's graph replays, its rows give the
+    eager path's logits, and a smaller step in the same bucket leaves every block outside it untouched. (Not
+    graded: without a GPU it is skipped, and a skipped test would count as failed in the grade.)"""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    runner = tiny_runner("cuda")
+    runner.capture()
+    graphs = {size: CountedGraph(graph) for size, graph in runner.graphs.items()}
+    runner.graphs = graphs
+    runner.run_static(decode_step(rows_from(1, [3, 20, 7, 40, 12, 5, 33, 9])), 8)
+    rows = rows_from(20, [17, 4, 30, 8, 50])
+    step = decode_step(rows)
+    runner.kv_cache.data.fill_(SENTINEL)
+    runner.run_static(step, 8)
+    assert blocks_left_alone(runner, rows), "a row of the last step wrote K/V outside this step's blocks"
+    runner.kv_cache.data.zero_()
+    hidden = runner.run_static(step, 8)
+    assert {size: graph.replays for size, graph in graphs.items()} == {1: 0, 2: 0, 4: 0, 8: 3}
+    assert hidden.shape == (5, TINY["hidden_size"])
+    replayed = runner.model.compute_logits(hidden)
+    runner.kv_cache.data.zero_()
+    eager, _ = runner.run_eager(step)
+    torch.testing.assert_close(replayed, eager, atol=1e-2, rtol=1e-3)
 
 
 # --- the runner, on the embedded model -----------------------------------------------------------------------

@@ -1,7 +1,8 @@
-"""Stage 09: tensor parallelism. Each parallel layer against its unsharded original (the ranks simulated in this
-process), then real ranks: logits and greedy tokens at N = 2 and 3 against N = 1 and Hugging Face, one rank in a
-process group of its own, starting up (a worker that exits first, a rank slow to load), the server on two ranks,
-and every way a rank can go away, with no process left behind (and a GPU's waits, pretended on the CPU).
+"""Stage 09: tensor parallelism. Each parallel layer, and each column/row pair, against its unsharded original (the
+ranks simulated in this process), then real ranks: logits and greedy tokens at N = 2 and 3 against N = 1 and Hugging
+Face, one rank in a process group of its own, a worker serving the steps rank 0 broadcasts, starting up (a worker
+that exits first, a rank slow to load), the server on two ranks, and every way a rank can go away, with no process
+left behind (and a GPU's waits, pretended on the CPU).
 
 Tolerance. Split across ranks, a row-parallel layer's output is the sum of N partial products, each a sum
 over 1/N of the input features, added by the all-reduce: the same numbers as one rank's matrix product,
@@ -11,6 +12,7 @@ The tests allow 1e-3 on logits, and greedy tokens must be exactly Hugging Face's
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -21,6 +23,7 @@ import weakref
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -174,6 +177,74 @@ def test_the_sizes_a_model_splits_across(model_dir):
     assert odd.tensor_parallel_sizes() == [1, 2]
     with pytest.raises(ValueError, match=r"--tensor-parallel-size 2 does not split .* use one of 1, 3$"):
         smollm2.check_tensor_parallel_size(2)
+
+
+def cut(layer: nn.Module, checkpoint: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A parallel layer's parameters cut from whole tensors as ``from_pretrained`` cuts them: each parameter's slices
+    (``layer.shards``) of the checkpoint tensors it stacks, one after the other; a parameter with no shards, whole."""
+    state = {}
+    for name in layer.state_dict():
+        parts, shards = checkpoint[name], layer.shards.get(name)
+        assert len(parts) == (1 if shards is None else len(shards)), (
+            f"a {type(layer).__name__} holds its {name} in {1 if shards is None else len(shards)} part(s), not in the "
+            f"{len(parts)} checkpoint tensors this layer of the pair stacks")
+        state[name] = parts[0] if shards is None else torch.cat([whole[shard.index()]
+                                                                 for whole, shard in zip(parts, shards, strict=True)])
+    return state
+
+
+@pytest.mark.exercise("9.5")
+@pytest.mark.parametrize("size", [2, 3])
+def test_the_mlp_pair_split_across_ranks_sums_to_the_whole_mlp_with_one_all_reduce(size):
+    """gate/up, SwiGLU on each rank's own features, then down: every rank runs its pair on the same whole input, the
+    test adds their outputs (the all-reduce's sum), and the total is the unsplit MLP's."""
+    torch.manual_seed(0)
+    hidden, features, x = 8, 12, torch.randn(5, 8)
+    gate, up, down = nn.Linear(hidden, features), nn.Linear(hidden, features), nn.Linear(features, hidden)
+    nn.init.normal_(down.bias, std=1.0)
+    total = torch.zeros(5, hidden)
+    for tp in simulated(size):
+        rows = parallel.even_shard(features, tp)  # this rank's features
+        first, second = parallel.column_row_pair(hidden, [rows, rows], (True, True), tp)
+        first.load_state_dict(cut(first, {"weight": [gate.weight, up.weight], "bias": [gate.bias, up.bias]}))
+        second.load_state_dict(cut(second, {"weight": [down.weight], "bias": [down.bias]}))
+        mine_of_gate, mine_of_up = first(x).chunk(2, dim=-1)  # [5, 12 / N] each
+        assert not tp.reduced, "the first layer of the pair needs no communication"
+        total += second(F.silu(mine_of_gate) * mine_of_up)  # [5, 8]: this rank's part of the sum
+        assert len(tp.reduced) == 1, "the pair costs one all-reduce"
+    torch.testing.assert_close(total, down(F.silu(gate(x)) * up(x)))
+
+
+def causal_attention(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """Each query head's causal attention over the KV head it reads: [T, (H + 2 Hkv) D] -> [T, H D]."""
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q = q.unflatten(-1, (heads, head_dim)).transpose(0, 1)  # [H, T, D]
+    k, v = (t.unflatten(-1, (kv_heads, head_dim)).transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
+            for t in (k, v))  # [H, T, D]: each query head's KV head
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1).flatten(1)  # [T, H D]
+
+
+@pytest.mark.exercise("9.5")
+def test_the_attention_pair_split_by_heads_sums_to_the_whole_attention_with_one_all_reduce():
+    """q/k/v (with biases, as Qwen2's), attention on each rank's own heads (4 query heads reading 2 KV heads: one KV
+    head and its two query heads per rank), then o_proj: the ranks' outputs add up to the unsplit attention's."""
+    torch.manual_seed(0)
+    hidden, heads, kv_heads, head_dim, x = 16, 4, 2, 4, torch.randn(6, 16)
+    q, k, v = (nn.Linear(hidden, n * head_dim) for n in (heads, kv_heads, kv_heads))
+    o = nn.Linear(heads * head_dim, hidden)
+    nn.init.normal_(o.bias, std=1.0)
+    total = torch.zeros(6, hidden)
+    for tp in simulated(2):
+        q_rows, kv_rows = parallel.even_shard(heads * head_dim, tp), parallel.even_shard(kv_heads * head_dim, tp)
+        first, second = parallel.column_row_pair(hidden, [q_rows, kv_rows, kv_rows], (True, True), tp)
+        first.load_state_dict(cut(first, {"weight": [q.weight, k.weight, v.weight], "bias": [q.bias, k.bias, v.bias]}))
+        second.load_state_dict(cut(second, {"weight": [o.weight], "bias": [o.bias]}))
+        mine = causal_attention(first(x), heads // 2, kv_heads // 2, head_dim)  # [6, 8]: this rank's two heads
+        assert not tp.reduced, "the first layer of the pair needs no communication"
+        total += second(mine)  # [6, 16]: this rank's part of the sum
+        assert len(tp.reduced) == 1, "the pair costs one all-reduce"
+    whole = torch.cat([q(x), k(x), v(x)], dim=-1)
+    torch.testing.assert_close(total, o(causal_attention(whole, heads, kv_heads, head_dim)))
 
 
 @pytest.fixture(scope="module")
@@ -412,6 +483,62 @@ def test_a_bfloat16_all_reduce_sums_in_float32(monkeypatch):
         assert ranks.tp.all_reduce(y) is y and reduced[-1] is y, "a float32 all-reduce needs no copy"
     finally:
         ranks.stop()
+
+
+# --- a worker's loop: the steps rank 0 broadcasts ----------------------------------------------------------------
+
+STEPS = [7, 11]  # the steps rank 0 broadcasts before Stop (numbers stand for StepInputs)
+SERVE_TIMEOUT_S = 5.0  # how long a rank waits in a step's collective, and a worker may take to leave after Stop
+
+
+class RecordingRunner:
+    """A model runner in miniature: it records each step it runs, and enters one all-reduce of the step's number, as a
+    forward pass enters its layers' (rank 0 enters the same one)."""
+
+    def __init__(self, tp: distributed.TPGroup) -> None:
+        self.tp, self.steps = tp, []
+
+    def execute(self, step: int) -> tuple[None, None]:
+        self.steps.append(step)
+        self.tp.all_reduce(torch.tensor([float(step)]))
+        return None, None  # a rank > 0 gets no logits
+
+
+def recording_worker(rank: int, init_method: str, record: str) -> None:
+    """Rank 1 of 2: join, ``serve`` with a RecordingRunner, and once it returns write down the steps it ran."""
+    tp = distributed.join(rank, 2, torch.device("cpu"), SERVE_TIMEOUT_S, store=distributed.check_in(init_method))
+    runner = RecordingRunner(tp)
+    try:
+        stage(FOLDER, "worker").serve(runner, tp)
+    finally:
+        tp.close()
+    Path(record).write_text(json.dumps(runner.steps))
+
+
+@pytest.mark.exercise("9.6")
+def test_a_worker_runs_each_step_rank_0_broadcasts_in_order_and_leaves_on_stop(tmp_path):
+    """Two gloo processes: this one is rank 0, broadcasts two steps (entering each one's all-reduce) and then Stop;
+    rank 1 serves them. It must run exactly those steps, in order, in step with rank 0's collectives, and leave
+    cleanly on Stop. Every wait has a deadline: a worker that misses Stop fails the test, it does not hang it."""
+    record = tmp_path / "steps.json"
+    ranks = distributed.start_ranks(2, torch.device("cpu"), SERVE_TIMEOUT_S, recording_worker, (str(record),))
+    worker = ranks.workers[0]
+    try:
+        for step in STEPS:
+            ranks.send(step)  # raises RanksOutOfStep if the worker has left
+            try:
+                total = ranks.tp.all_reduce(torch.tensor([float(step)]))
+            except RuntimeError as exc:
+                pytest.fail(f"rank 1 did not enter step {step}'s collective within {SERVE_TIMEOUT_S:g} s: {exc}")
+            assert total.item() == 2 * step, f"rank 1 ran another step than {step}"
+        ranks.send(distributed.Stop())
+        worker.join(SERVE_TIMEOUT_S)
+        assert not worker.is_alive(), f"the worker still runs {SERVE_TIMEOUT_S:g} s after Stop: its loop missed it"
+        assert worker.exitcode == 0, f"the worker failed (exit code {worker.exitcode}): Stop ends the loop"
+        assert json.loads(record.read_text()) == STEPS, "the worker must run each step rank 0 sent, once, in order"
+    finally:
+        ranks.stop(graceful=False)  # terminates a worker still running
+    assert not torch.distributed.is_initialized()
 
 
 # --- starting up: a worker that exits, a rank slow to load ---------------------------------------------------------

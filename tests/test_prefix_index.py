@@ -361,6 +361,66 @@ def test_a_prefix_computed_twice_at_once_is_kept_once_and_the_copy_given_back(ki
     assert list(m.evictable) == [1, 0] and 2 in m.free_blocks
 
 
+@pytest.mark.exercise("5.5")
+@both
+def test_reviving_evictable_blocks_takes_them_from_the_pool(kind):
+    """The only blocks left are evictable, and they hold the request's own prefix: sharing them takes them out
+    of the pool, so they cannot also be its new blocks."""
+    m = manager(kind, 4)
+    a, b = [1] * 8, [2] * 8
+    table_a, table_b = admit(m, a), admit(m, b)
+    computed(m, table_a, a)
+    m.free(table_a)  # 0 and 1: evictable and still found; b holds 2 and 3
+    assert list(m.evictable) == [1, 0] and m.num_free == 0 and table_b == [2, 3]
+    longer = a + [3]  # three blocks: shares 0 and 1, and needs one more
+    assert m.match(longer) == [0, 1]
+    before = state(m)
+    assert not m.can_allocate([0, 1], len(longer))  # 1 new + 2 revived, and 2 available
+    assert state(m) == before, "can_allocate only counts: it takes nothing"
+    assert m.match(a) == [0]  # the last block of a is computed again
+    assert m.can_allocate([0], len(a))  # 1 new + 1 revived: exactly the 2 available
+    table: list[int] = []
+    m.allocate(table, [0], len(a))
+    assert table == [0, 1] and m.num_available == 0  # the new block: 1, evicted
+
+
+@pytest.mark.exercise("5.5")
+@both
+def test_a_cached_block_in_use_costs_nothing_new(kind):
+    """Sharing a block that another sequence holds takes nothing from the pool."""
+    m = manager(kind, 4)
+    a = [1] * 8
+    computed(m, admit(m, a), a)  # a holds 0 and 1, both indexed
+    longer = a + [4] * 8  # four blocks: shares 0 and 1, and needs 2 more
+    assert m.match(longer) == [0, 1] and m.num_available == 2
+    assert m.can_allocate([0, 1], len(longer))  # 2 new: exactly the 2 available
+    assert not m.can_allocate([0, 1], len(longer) + 1)  # one token more: a third new block
+    table: list[int] = []
+    m.allocate(table, [0, 1], len(longer))
+    assert table == [0, 1, 2, 3] and m.ref_counts == [2, 2, 1, 1] and m.num_available == 0
+
+
+@pytest.mark.exercise("5.5")
+@both
+def test_a_prefix_half_in_use_half_evictable_is_counted_block_by_block(kind):
+    """A cached prefix whose first blocks another sequence holds (free to share) and whose last is evictable
+    (it costs one block of the pool), with one block free."""
+    m = manager(kind, 5)
+    a = [1] * 4 + [2] * 4 + [3] * 4
+    table_a = admit(m, a)
+    computed(m, table_a, a)  # 0, 1, 2
+    other = admit(m, a[:8] + [7])  # shares 0 and 1, takes 3
+    m.free(table_a)  # 2 is evictable, 0 and 1 are still held by the other
+    assert other == [0, 1, 3] and list(m.evictable) == [2] and list(m.free_blocks) == [4]
+    five_blocks, four_blocks = a + [5] * 4 + [6], a + [6]
+    assert m.match(five_blocks) == m.match(four_blocks) == [0, 1, 2]
+    assert not m.can_allocate([0, 1, 2], len(five_blocks))  # 2 new + 1 revived, and 2 available
+    assert m.can_allocate([0, 1, 2], len(four_blocks))  # 1 new + 1 revived: exactly the 2 available
+    table: list[int] = []
+    m.allocate(table, [0, 1, 2], len(four_blocks))
+    assert table == [0, 1, 2, 4] and m.ref_counts == [2, 2, 1, 1, 1] and m.num_available == 0
+
+
 @both
 def test_the_blocks_after_a_shared_copy_are_indexed_under_it(kind):
     m = manager(kind, 12)
