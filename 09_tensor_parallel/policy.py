@@ -125,10 +125,11 @@ def largest_paying_batch(cost: SpeculationCost, rate: float, k: int, most: int) 
 
 
 def costs_from_results(path: Path) -> dict[str, SpeculationCost]:
-    """The policy's costs from a ``common.decode_steps`` result file: its decode steps at the bucket sizes (the sizes
-    the engine measures), eager and from the static buffers, a step with guesses taken to cost a decode step of as
-    many rows. With CUDA graphs, two: steps with guesses replayed, as this stage runs them, and run eagerly (every
-    kernel launched from Python: what capturing them saves); without, one (both are the same pass)."""
+    """The policy's costs from a ``step_bench`` result file (``NN_name_decode_steps.json``): its decode steps at
+    the bucket sizes (the sizes the engine measures), eager and from the static buffers, a step with guesses taken
+    to cost a decode step of as many rows. With CUDA graphs, two: steps with guesses replayed, as this stage runs
+    them, and run eagerly (every kernel launched from Python: what capturing them saves); without, one (both are
+    the same pass)."""
     steps = [s for s in json.loads(path.read_text())["steps"] if s["batch_size"] == s["bucket"]]
     static = StepCost(tuple((s["batch_size"], s["static_ms"] / 1000) for s in steps))
     if not any(s["graphs"] for s in steps):
@@ -141,7 +142,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog=f"python -m {__package__}.policy",
                                      description="the largest batch at which guessing still pays")
     parser.add_argument("--device", default="cpu", help="measure this device's step cost, as the engine does")
-    parser.add_argument("--results", type=Path, help="instead, the decode steps of a common.decode_steps result file")
+    parser.add_argument("--results", type=Path, help="instead, the decode steps of a step_bench "
+                        "result file (NN_name_decode_steps.json)")
     parser.add_argument("--num-speculative-tokens", type=int, default=4, help="k: the most guesses a sequence")
     parser.add_argument("--most", type=int, default=256, help="the largest batch to try")
     args = parser.parse_args()
