@@ -31,6 +31,8 @@ help:
 	@echo "make homework [STAGE=NN]         write a student copy to homework/NN_name/ (see its EXERCISES.md)"
 	@echo "make grade [STAGE=NN] [DIR=homework]  grade a copy: a score per exercise (DIR=. grades the reference)"
 	@echo "make test [STAGE=NN]  run the whole test suite, or with STAGE only the tests of that stage"
+	@echo "make test-fast [STAGE=NN]        the graded and unit tests only (no model, server or process): the"
+	@echo "                      loop after each exercise"
 	@echo "make gpu-check CUDA=1 [PART=smoke|correctness|kernels|speed]  on a GPU machine, each part under"
 	@echo "                      10 minutes (all four without PART): demos, GPU tests, benchmarks -> results/cuda/gpu-check/"
 	@echo "make lint             ruff"
@@ -111,12 +113,21 @@ grade: install
 # `make test STAGE=03`: only the tests that name the stage, by its folder (03_paged_kv: its own test file and
 # the stage's case of every test run over stages) or as stage03 (homework). STAGE must be on the command line:
 # its default (the latest stage, for `make demo`) does not narrow the suite.
-# Two worker processes (pytest-xdist), each taking whole test files: much of the suite waits on servers,
-# subprocesses and imports, and the two share the cores (each runs PyTorch on its share, see tests/conftest.py).
+# Two worker processes (pytest-xdist), each taking whole groups of tests, the longest first (tests/conftest.py says
+# which: mostly a file each): much of the suite waits on servers, subprocesses and imports, and the two share the
+# cores (each runs PyTorch, and every process it starts, on its share).
 TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+STAGE_TESTS = $(if $(filter command line,$(origin STAGE)),$(if $(STAGE_DIR),-k "$(STAGE_DIR) or stage$(STAGE)",\
+	$(error no stage folder matches STAGE=$(STAGE))))
+.PHONY: test-fast
 test: install
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(if $(filter command line,$(origin STAGE)),$(if $(STAGE_DIR),-k "$(STAGE_DIR) or stage$(STAGE)",\
-		$(error no stage folder matches STAGE=$(STAGE))))
+	$(PYTEST) $(STAGE_TESTS)
+
+# The loop after each exercise: the graded tests and the unit tests, without what runs the course model, a server,
+# a process or the interpreted kernels (the e2e mark, see tests/conftest.py). STAGE=NN narrows it as for `make test`.
+test-fast: install
+	$(PYTEST) -m "exercise or not e2e" $(STAGE_TESTS)
 
 # On a GPU machine, in parts of under 10 minutes each (a GPU is often lent for short commands): PART=smoke, every
 # stage's demo on CUDA and stage 09 under torchrun with one rank; correctness, `pytest -m cuda` file by file;

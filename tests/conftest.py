@@ -7,6 +7,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,16 +31,74 @@ if TYPE_CHECKING:
 # only PyTorch, Triton and transformers (see common/gpu_check.py).
 
 if workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # `make test` runs two pytest workers side by side:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))  # each its share of the cores
+    share = max(1, (os.cpu_count() or 1) // int(workers))  # each its share of the cores,
+    torch.set_num_threads(share)
+    # and so does every process a test starts (a stage's server, a notebook's kernel, a rank, a Ray replica): two
+    # workers that each start a process using every core would run four threads on two cores.
+    os.environ["OMP_NUM_THREADS"] = str(share)
 
 # Without a GPU, the Triton kernels (stage 03 on) run in Triton's interpreter: set before triton is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# --- how `make test` shares the tests between its workers (pytest-xdist) ------------------------------------------
+# A worker takes a group of tests whole and runs it in order: by default a group is a test file, so that a module's
+# fixtures (the gateway's Ray fleet, a tiny checkpoint) are made once. The longest files go first (a long one started
+# last would leave the other worker idle at the end), and files whose tests share nothing costly are cut smaller:
+# into a group per test (None), or per stage that the tests' parameters name (its engine and fixtures made once).
+LONGEST_FIRST = ["test_10_gateway.py", "test_notebooks.py", "test_09_tensor_parallel.py", "test_homework.py",
+                 "test_fuzz.py", "test_attention.py", "test_all_stages.py", "test_hardening.py", "test_openai_api.py",
+                 "test_bench.py"]
+SPLIT_BY = {"test_notebooks.py": None, "test_fuzz.py": None, "test_all_stages.py": None, "test_homework.py": "stage",
+            "test_attention.py": "stage"}
+STAGE_IN_PARAMETERS = re.compile(r"\[.*?\b(?:stage(\d\d)|(\d\d)_[a-z])")  # [03_paged_kv-cpu], [stage08]
+
+
+def test_group(nodeid: str) -> str:
+    """The group of the test ``nodeid``: its file, the test alone, or its file and the stage it names."""
+    file = nodeid.split("::")[0].rsplit("/", 1)[-1]
+    if file not in SPLIT_BY:
+        return file
+    if SPLIT_BY[file] is None:
+        return nodeid
+    found = STAGE_IN_PARAMETERS.search(nodeid)
+    return f"{file}:{found[1] or found[2]}" if found else file
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)  # a hook of pytest-xdist, which a GPU machine may not have
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """With ``--dist loadgroup``: xdist's scheduler of whole groups (LoadScopeScheduling), by ``test_group``."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return test_group(nodeid)
+
+    return GroupScheduling(config, log)
+
+
+# `make test-fast` (-m "exercise or not e2e") leaves out what runs a whole model, a server or a process: a test is
+# end to end when it needs the course model's folder (every engine, server and Hugging Face reference does), runs
+# the attention kernels in Triton's interpreter, grades a student copy, or is marked e2e in its file.
+E2E_FILES = {"test_notebooks.py", "test_fuzz.py"}
+E2E_FIXTURES = {"model_dir", "kernels", "student"}
+
+
+def is_end_to_end(item: pytest.Item) -> bool:
+    return (item.path.name in E2E_FILES or bool(E2E_FIXTURES & set(getattr(item, "fixturenames", ())))
+            or item.get_closest_marker("e2e") is not None)
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``cuda`` need a GPU: without one they are skipped, saying so."""
+    """The longest files first, each test's e2e mark; tests marked ``cuda`` skipped, saying so, without a GPU."""
+    rank = {file: i for i, file in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
+    for item in items:
+        if is_end_to_end(item):
+            item.add_marker(pytest.mark.e2e)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU: `pytest -m cuda` (or `make gpu-check`) on a GPU machine")

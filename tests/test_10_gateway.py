@@ -13,6 +13,7 @@ import random
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -241,13 +242,18 @@ def test_greedy_answers_through_the_gateway_are_hugging_faces(gateway, model_dir
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    for prompt in TEXT_PROMPTS:
+    cases = [(prompt, model) for prompt in TEXT_PROMPTS for model in (gateway.small, gateway.large)]
+
+    def complete(prompt: str, model: str) -> httpx.Response:
+        return httpx.post(f"{gateway.url}/v1/completions", timeout=120, json={
+            "model": model, "prompt": tokenizer(prompt).input_ids, "max_tokens": 32, "temperature": 0})
+
+    with ThreadPoolExecutor(len(cases)) as pool:  # all at once: each replica batches what it is sent
+        responses = list(pool.map(complete, *zip(*cases, strict=True)))
+    for (prompt, _), response in zip(cases, responses, strict=True):
+        assert response.status_code == 200, response.text
         ids = tokenizer(prompt).input_ids
-        for model in (gateway.small, gateway.large):
-            response = httpx.post(f"{gateway.url}/v1/completions", timeout=120, json={
-                "model": model, "prompt": ids, "max_tokens": 32, "temperature": 0})
-            assert response.status_code == 200, response.text
-            assert response.json()["choices"][0]["text"] == tokenizer.decode(hf_greedy(ids, 32)), prompt
+        assert response.json()["choices"][0]["text"] == tokenizer.decode(hf_greedy(ids, 32)), prompt
 
 
 SYSTEM = ("You answer questions about a small bicycle shop in one sentence. The shop opens at nine and closes at six, "

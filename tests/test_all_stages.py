@@ -1,11 +1,18 @@
 """Every stage against Hugging Face, in one test: on the standard prompts (text and chat) each stage's
 greedy tokens are exactly those of Hugging Face ``generate()`` on the same weights. LLMs-from-scratch
 checks its model variants this way; here the variants are the stages (and, from stage 05 on, each of
-a stage's on/off switches, listed in VARIANTS). The references are computed once and kept on disk."""
+a stage's on/off switches, listed in VARIANTS). The references are computed once and kept on disk.
+Then every stage's own command line, started as a user starts it, serves a request."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import httpx
 import pytest
+
+from common import bench
+from common.net import free_port
 
 from .conftest import make_engine, stage
 from .prompts import CHAT_PROMPTS, TEXT_PROMPTS
@@ -70,3 +77,32 @@ def test_every_stage_gives_hugging_faces_greedy_tokens(request, folder, variant,
             logprobs = hf_next_logprobs(ids + theirs[:flip])
             gap = abs(float(logprobs[tokens[flip]] - logprobs[theirs[flip]]))
             assert gap <= GPU_MARGIN, f"token {flip} of {engine.tokenizer.decode(ids)!r}: a flip {gap:.2g} nats apart"
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with the course model's tokenizer: a server process starts in the time of its imports."""
+    from .test_model import save_tiny_checkpoint
+
+    folder = tmp_path_factory.mktemp("tiny_cli")
+    save_tiny_checkpoint("llama", folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((model_dir / name).read_bytes())
+    return folder
+
+
+# Stage 10's command line starts a Ray fleet: test_10_gateway starts one and tests it.
+@pytest.mark.parametrize("folder", [folder for folder in STAGES if not has(folder, "gateway")])
+def test_every_stage_serves_from_its_command_line(folder, tiny_folder):
+    """``python -m NN_name --model M --port P``, as `make serve` and the benchmarks start it: healthy, it answers a
+    completion (token ids below the tiny model's vocabulary), and it is gone once stopped."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = bench.stage_command(folder[:2], port, str(tiny_folder), "cpu", "float32")
+    with bench.stage_server(command, url):
+        response = httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0},
+                              timeout=120)
+        assert response.status_code == 200, response.text
+        assert 1 <= response.json()["usage"]["completion_tokens"] <= 4
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/health", timeout=2)
