@@ -81,15 +81,16 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
 
 # `make test-fast` (-m "exercise or not e2e") leaves out what runs a whole model, a server or a process: a test is
-# end to end when it needs the course model's folder (every engine, server and Hugging Face reference does), runs
-# the attention kernels in Triton's interpreter, grades a student copy, or is marked e2e in its file.
+# end to end when it needs the course model's folder, a stage's engine or server (engineNN, serverNN, or one of them
+# by parameter), runs the attention kernels in Triton's interpreter, grades a student copy, or is marked e2e in its
+# file (a process of its own).
 E2E_FILES = {"test_notebooks.py", "test_fuzz.py"}
-E2E_FIXTURES = {"model_dir", "kernels", "student"}
+E2E_FIXTURES = re.compile(r"model_dir|(engine|server)(\d\d)?|traced_server|kernels|student")
 
 
 def is_end_to_end(item: pytest.Item) -> bool:
-    return (item.path.name in E2E_FILES or bool(E2E_FIXTURES & set(getattr(item, "fixturenames", ())))
-            or item.get_closest_marker("e2e") is not None)
+    return (item.path.name in E2E_FILES or item.get_closest_marker("e2e") is not None
+            or any(E2E_FIXTURES.fullmatch(name) for name in getattr(item, "fixturenames", ())))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -296,6 +296,7 @@ def test_a_request_that_can_never_fit_is_a_400(server04, engine04):
     assert response.status_code == 400 and response.json()["error"]["code"] == "kv_cache_too_small"
 
 
+@pytest.mark.e2e  # a whole model or a process: left out of `make test-fast`
 def test_cli_help_names_the_batching_flags():
     out = subprocess.run([sys.executable, "-m", "04_continuous_batching", "--help"], cwd=REPO, capture_output=True,
                          text=True, timeout=120, check=True).stdout

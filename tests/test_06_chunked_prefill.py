@@ -383,6 +383,7 @@ def test_n_samples_of_a_chunked_prompt_equal_stage_05s(cached_engine, unchunked)
     books_balance(cached_engine)
 
 
+@pytest.mark.e2e  # a whole model or a process: left out of `make test-fast`
 def test_the_command_line_refuses_a_budget_below_max_num_seqs():
     out = subprocess.run([sys.executable, "-m", FOLDER, "--help"], cwd=REPO, capture_output=True, text=True,
                          check=True).stdout

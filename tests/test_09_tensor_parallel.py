@@ -572,6 +572,7 @@ def assert_the_start_fails_at_once(start: Callable[[], object], monkeypatch, exi
     assert_all_stopped([worker.pid for worker in spawned])
 
 
+@pytest.mark.e2e  # a whole model or a process: left out of `make test-fast`
 def test_a_worker_that_exits_before_joining_fails_the_start_at_once(monkeypatch):
     """Rank 0 waits for its workers to check in while watching them: one that exits fails the start within seconds,
     naming its rank and exit code, instead of leaving rank 0 in the rendezvous (which has no timeout) for good."""

@@ -137,6 +137,7 @@ def running_commands() -> set[str]:
     return commands
 
 
+@pytest.mark.e2e  # a whole model or a process: left out of `make test-fast`
 def test_bench_quick_end_to_end(tmp_path):
     # --quick's levels, fewer and shorter requests to keep the test suite fast.
     command = [sys.executable, "-m", "common.bench", "--stage", "02", "--quick", "--requests", "4",
@@ -468,6 +469,7 @@ def test_rescoring_judges_saved_records_against_other_targets_and_rewrites_files
         bench.rescore(fake_result("closed", True), loadgen.Slo(1.0, 0.1), 0.9)
 
 
+@pytest.mark.e2e  # a whole model or a process: left out of `make test-fast`
 def test_bench_open_loop_end_to_end(tmp_path):
     command = [sys.executable, "-m", "common.bench", "--stage", "02", "--request-rate", "2", "4", "--requests", "6",
                "--max-tokens", "8", "--out", str(tmp_path)]

@@ -23,6 +23,7 @@ def test_auto_falls_back_to_the_cpu_and_cuda_insists(monkeypatch):
     assert pick_dtype("auto", torch.device("cuda")) == torch.bfloat16
 
 
+@pytest.mark.e2e  # a whole model or a process: left out of `make test-fast`
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_a_stage_asked_for_cuda_without_it_says_so_in_one_line():
     run = subprocess.run([sys.executable, "-m", "02_streaming", "--device", "cuda", "--demo"], cwd=REPO,

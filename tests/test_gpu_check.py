@@ -100,6 +100,7 @@ def test_the_speed_part_profiles_the_step_and_sweeps_every_batching_stage(tmp_pa
     assert all("--quick" in c.command for c in checks if "common.bench" in c.command)
 
 
+@pytest.mark.e2e  # a whole model or a process: left out of `make test-fast`
 def test_the_gpu_tests_collect_without_the_server_and_fuzzing_libraries(tmp_path):
     """A GPU machine has PyTorch, Triton and transformers, not FastAPI, openai, hypothesis, schemathesis or
     nbclient: collecting `pytest -m cuda` must import none of them (nor any pytest plugin: none is loaded)."""

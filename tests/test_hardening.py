@@ -263,6 +263,7 @@ def test_a_cancellation_storm_leaves_nothing_behind(server):
     assert response.json()["usage"]["completion_tokens"] == 4
 
 
+@pytest.mark.e2e  # a whole model or a process: left out of `make test-fast`
 def test_256_streaming_clients_all_complete_and_memory_stays_bounded():
     """Stage 04 in its own process, as a user runs it; the soak tool checks every stream's tokens."""
     from common.bench import free_port, stage_server

@@ -71,6 +71,7 @@ def test_grading_the_student_copy_fails_every_exercise(student, capsys):
 # The newest stage only: every stage's graded tests already pass on the reference in the main suite (they are
 # ordinary tests there), and the student copies above show that every stage's exercises are found and graded.
 # This adds the grade command's verdict on a passing copy, which is the same code for every stage.
+@pytest.mark.e2e  # a whole model or a process: left out of `make test-fast`
 @pytest.mark.parametrize("stage", STAGES[-1:], ids=lambda s: f"stage{s:02d}")
 def test_grading_the_reference_passes_every_exercise(stage, capsys):
     status, scores = grade(stage, REPO, capsys)
