@@ -55,7 +55,7 @@ SPLIT_BY = {"test_notebooks.py": None, "test_fuzz.py": None, "test_all_stages.py
 STAGE_IN_PARAMETERS = re.compile(r"\[.*?\b(?:stage(\d\d)|(\d\d)_[a-z])")  # [03_paged_kv-cpu], [stage08]
 
 
-def test_group(nodeid: str) -> str:
+def group_of(nodeid: str) -> str:
     """The group of the test ``nodeid``: its file, the test alone, or its file and the stage it names."""
     file = nodeid.split("::")[0].rsplit("/", 1)[-1]
     if file not in SPLIT_BY:
@@ -68,14 +68,14 @@ def test_group(nodeid: str) -> str:
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)  # a hook of pytest-xdist, which a GPU machine may not have
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """With ``--dist loadgroup``: xdist's scheduler of whole groups (LoadScopeScheduling), by ``test_group``."""
+    """With ``--dist loadgroup``: xdist's scheduler of whole groups (LoadScopeScheduling), by ``group_of``."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
     class GroupScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return test_group(nodeid)
+            return group_of(nodeid)
 
     return GroupScheduling(config, log)
 

@@ -475,12 +475,11 @@ def test_the_server_streams_runs_and_reports_its_guesses(server08, hf_greedy):
 def tiny(model_dir, tmp_path_factory):
     """A tiny random Llama (2 layers, a vocabulary of 256) with the course model's tokenizer, and its Hugging Face
     twin: thousands of sampled tokens take seconds."""
-    from .test_model import save_tiny_checkpoint
+    from .test_model import copy_tokenizer, save_tiny_checkpoint
 
     folder = tmp_path_factory.mktemp("tiny_speculative")
     hf_model = save_tiny_checkpoint("llama", folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (folder / name).write_bytes((model_dir / name).read_bytes())
+    copy_tokenizer(model_dir, folder)
     return folder, hf_model
 
 

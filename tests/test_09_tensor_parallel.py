@@ -251,14 +251,13 @@ def test_the_attention_pair_split_by_heads_sums_to_the_whole_attention_with_one_
 def tiny(model_dir, tmp_path_factory):
     """Tiny random checkpoints with the course model's tokenizer: {kind: folder}. A Llama (4 heads, 2 KV heads, tied
     embeddings), a Qwen2 (q/k/v biases), and a Llama with every bias and an untied head."""
-    from .test_model import save_tiny_checkpoint
+    from .test_model import copy_tokenizer, save_tiny_checkpoint
 
     folders = {}
     for kind in ("llama", "qwen2", "llama_untied_bias"):
         folder = folders[kind] = tmp_path_factory.mktemp(f"tiny_tp_{kind}")
         save_tiny_checkpoint(kind, folder)
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            (folder / name).write_bytes((model_dir / name).read_bytes())
+        copy_tokenizer(model_dir, folder)
     return folders
 
 

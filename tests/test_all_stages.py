@@ -82,12 +82,11 @@ def test_every_stage_gives_hugging_faces_greedy_tokens(request, folder, variant,
 @pytest.fixture(scope="module")
 def tiny_folder(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama with the course model's tokenizer: a server process starts in the time of its imports."""
-    from .test_model import save_tiny_checkpoint
+    from .test_model import copy_tokenizer, save_tiny_checkpoint
 
     folder = tmp_path_factory.mktemp("tiny_cli")
     save_tiny_checkpoint("llama", folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (folder / name).write_bytes((model_dir / name).read_bytes())
+    copy_tokenizer(model_dir, folder)
     return folder
 
 

@@ -174,6 +174,12 @@ def save_tiny_checkpoint(kind: str, folder: Path, max_shard_size: str = "50GB"):
     return model
 
 
+def copy_tokenizer(model_dir: Path, folder: Path) -> None:
+    """Give a tiny checkpoint the course model's tokenizer, so that the stages can load it as a model folder."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((model_dir / name).read_bytes())
+
+
 SHARDED = "llama_untied_bias"  # saved in several files, to load a checkpoint the way big ones come
 
 
