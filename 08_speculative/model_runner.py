@@ -70,6 +70,7 @@ import time
 from bisect import bisect_left
 from dataclasses import dataclass
 from itertools import accumulate, chain, pairwise
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -81,7 +82,7 @@ from .block_manager import token_slots
 from .config import EngineConfig
 from .kv_cache import KVCache, budget_bytes
 from .model import LlamaForCausalLM
-from .policy import StepCost, measure_step_cost
+from .policy import StepCost, fixed_cost, measure_step_cost
 from .scheduler import Batch
 
 log = logging.getLogger("llm-course")
@@ -497,7 +498,12 @@ def start_runner(config: EngineConfig, model: LlamaForCausalLM, device: torch.de
         log.info("captured the decode step for batch sizes %s and the verification step for rows %s in %.1f s "
                  "(%.0f MiB)", runner.sizes, runner.verify_sizes, runner.capture_seconds,
                  runner.graph_memory_bytes / 2**20)
-    if config.speculative != "off" and config.num_speculative_tokens > 0 and config.speculative_policy == "cost":
+    weighs_costs = (config.speculative != "off" and config.num_speculative_tokens > 0
+                    and config.speculative_policy == "cost")
+    if weighs_costs and config.step_costs:  # measured before, by step_bench: no timing here, the same plan every start
+        cost = fixed_cost(Path(config.step_costs), replayed=captures_graphs(device, config.enforce_eager))
+        runner.decode_cost, runner.step_cost, runner.sequence_cost = cost.decode, cost.verify, cost.per_sequence
+    elif weighs_costs:
         # What the policy weighs guesses against: steps of up to every sequence with all its guesses.
         most = min(config.max_num_seqs * (1 + config.num_speculative_tokens), max_num_batched_tokens)
         k = min(config.num_speculative_tokens, COST_ROWS_EACH - 1)

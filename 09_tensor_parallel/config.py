@@ -56,6 +56,9 @@ class EngineConfig:
         "help": "how many guesses a sequence gets per step: those worth their rows, from the step's cost measured "
                 "at start-up and the sequence's acceptance rate (cost), or always k (always)",
         "choices": ["cost", "always"]})
+    step_costs: str = field(default="", metadata={
+        "help": "with the cost policy: the step costs of a step_bench result file (NN_name_decode_steps.json) "
+                "instead of timing steps at start-up, so that every start plans alike (the tests use one)"})
     draft_model: str = field(default="", metadata={
         "help": "with --speculative draft: a local Hugging Face folder with the model's tokenizer; none: the "
                 "model's own first --draft-layers layers (a layer-skip draft)"})

@@ -197,9 +197,9 @@ class Engine:
         return layer_skip_draft(self.model, num_layers)
 
     def speculation_cost(self) -> SpeculationCost | None:
-        """What the speculation policy weighs guesses against: the runner's step costs, measured at start-up, and a
-        draft model's (each guess also takes a row of one of its steps). None without speculation, or with
-        ``--speculative-policy always``: every sequence then guesses its k."""
+        """What the speculation policy weighs guesses against: the runner's step costs (measured at start-up, or
+        read from --step-costs), and a draft model's, measured (each guess also takes a row of one of its steps).
+        None without speculation, or with ``--speculative-policy always``: every sequence then guesses its k."""
         runner = self.runner
         if self.proposer is None or runner.step_cost is None or runner.decode_cost is None:
             return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import importlib.util
@@ -199,9 +200,19 @@ def hf_next_logprobs(request: pytest.FixtureRequest):
 # --- engines and live servers --------------------------------------------------------------------
 
 
+# The speculation policy's step costs (stage 08 on), read from a committed step_bench file instead of timed at each
+# start (about 5 s an engine of the course model): every test engine plans alike, however busy the machine.
+# test_08_speculative's own test of the timing passes step_costs="".
+STEP_COSTS = REPO / "results" / "cpu" / "07_cuda_graphs_decode_steps.json"
+
+
 def make_engine(folder: str, model_dir: Path, device: str = "cpu", dtype: str = "float32", **config):
-    """A stage's Engine on ``model_dir``, float32 unless asked, with its EngineConfig's other fields as given."""
-    engine_config = stage(folder, "config").EngineConfig(model=str(model_dir), device=device, dtype=dtype, **config)
+    """A stage's Engine on ``model_dir``, float32 unless asked, with its EngineConfig's other fields as given (on a
+    CPU, the speculation policy's step costs from STEP_COSTS unless given)."""
+    config_class = stage(folder, "config").EngineConfig
+    if device == "cpu" and "step_costs" in {field.name for field in dataclasses.fields(config_class)}:
+        config.setdefault("step_costs", str(STEP_COSTS))
+    engine_config = config_class(model=str(model_dir), device=device, dtype=dtype, **config)
     return stage(folder, "engine").Engine(engine_config)
 
 

@@ -10,6 +10,7 @@ rejected token; the cost policy measures the step at start-up and guesses nothin
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -17,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from .conftest import make_engine, stage
+from .conftest import STEP_COSTS, make_engine, stage
 from .scheduling import SilentDetokenizer
 from .stages import stages_having
 from .steps import verification_step
@@ -620,7 +621,8 @@ def test_the_engine_measures_its_steps_and_guesses_nothing_where_rows_are_dear(f
     64 sequences whose prompts repeat themselves (n-gram lookup guesses from the first step) under a CPU's cost, where
     a row is dear at that batch: no guess. The same requests with every guess made (policy "always") do guess."""
     tiny_folder, _ = tiny
-    engine = make_engine(folder, tiny_folder, kv_cache_mb=16, max_num_seqs=64, max_num_batched_tokens=1024)
+    engine = make_engine(folder, tiny_folder, kv_cache_mb=16, max_num_seqs=64, max_num_batched_tokens=1024,
+                         step_costs="")  # timed here (other tests' engines read the committed STEP_COSTS)
     measured = engine.scheduler.cost
     rows = stage(folder, "model_runner").cost_rows(64)
     assert [r for r, _ in measured.decode.points] == rows and all(s > 0 for _, s in measured.decode.points)
@@ -637,3 +639,22 @@ def test_the_engine_measures_its_steps_and_guesses_nothing_where_rows_are_dear(f
     assert engine.stats().speculation.proposed > 0
     always = make_engine(folder, tiny_folder, kv_cache_mb=16, speculative_policy="always")
     assert always.scheduler.cost is None and always.runner.step_cost is None, "nothing to measure"
+
+
+@pytest.mark.parametrize("folder", stages_having("speculation"))
+def test_step_costs_from_a_step_bench_file_replace_the_timing(folder, tiny):
+    """--step-costs: the policy weighs guesses against a step_bench file's decode steps (a step with guesses costs a
+    decode step of as many rows there), and nothing is timed at start-up."""
+    policy = stage(folder, "policy")
+    runner = stage(folder, "model_runner").ModelRunner
+    timed = []
+    measure = runner.measure_cost
+    runner.measure_cost = lambda self, *args, **kwargs: timed.append(args) or measure(self, *args, **kwargs)
+    try:
+        engine = make_engine(folder, tiny[0], kv_cache_mb=16, step_costs=str(STEP_COSTS))
+    finally:
+        runner.measure_cost = measure
+    cost = policy.fixed_cost(STEP_COSTS, replayed=False)
+    assert timed == [] and engine.scheduler.cost == policy.SpeculationCost(cost.verify, cost.decode, None, 0.0)
+    steps = json.loads(STEP_COSTS.read_text())["steps"]
+    assert cost.decode.seconds(1) == next(s["static_ms"] for s in steps if s["batch_size"] == 1) / 1000

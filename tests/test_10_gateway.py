@@ -204,7 +204,7 @@ def test_call_app_streams_and_a_caller_that_leaves_cancels_the_app():
 FLEET = gateway_config.GatewayConfig(
     min_replicas=2, max_replicas=3, replica_cpus=0.25, max_ongoing_requests=8, max_queued_requests=40,
     router_imbalance=2, long_prompt_tokens=200, long_output_tokens=256, target_queue_depth=2, upscale_delay_s=0.5,
-    downscale_delay_s=3.0, metrics_interval_s=0.25)
+    downscale_delay_s=8.0, metrics_interval_s=0.25)  # 8 s: the third replica outlives the pauses between load tests
 
 
 @pytest.fixture(scope="module")
@@ -397,16 +397,20 @@ class Load:
         assert not self._thread.is_alive()
 
 
-def test_the_fleet_grows_on_queued_requests_and_shrinks_when_idle(gateway):
-    running = lambda: replica_states(gateway.url, gateway.small).get("RUNNING", 0)  # noqa: E731
-    wait_for(lambda: running() == 2, 60, "the minimum of 2 replicas")
+def running_replicas(gateway: SimpleNamespace) -> int:
+    return replica_states(gateway.url, gateway.small).get("RUNNING", 0)
+
+
+def test_the_fleet_grows_on_queued_requests(gateway):
+    """The two load tests below run on the third replica while it is still there: each burst would start one of
+    its own (CPU time the suite spends elsewhere). test_the_fleet_shrinks_when_idle then waits for it to go."""
+    wait_for(lambda: running_replicas(gateway) == 2, 60, "the minimum of 2 replicas")
     load = Load(gateway.url, gateway.small, clients=32, max_tokens=32)  # 2 x 8 slots: 16 wait at the gateway
     try:
-        wait_for(lambda: running() == 3, 120, "a third replica under load")
+        wait_for(lambda: running_replicas(gateway) == 3, 120, "a third replica under load")
     finally:
         load.stop()
     assert load.statuses and set(load.statuses) == {200}
-    wait_for(lambda: running() == 2, 120, "back to 2 replicas once idle")
 
 
 def test_the_gateway_queues_what_the_replicas_cannot_hold(gateway):
@@ -445,6 +449,10 @@ def test_past_its_queue_the_gateway_refuses_with_503_and_retry_after(gateway):
     assert len(refused) >= (120 - 3 * 8 - 40) // 2, f"{len(refused)} refused"
     assert all(r.headers.get("retry-after") == "1" and r.json()["error"]["code"] == "overloaded" for r in refused), \
         [(r.headers, r.text) for r in refused if r.headers.get("retry-after") != "1"][:2]
+
+
+def test_the_fleet_shrinks_when_idle(gateway):
+    wait_for(lambda: running_replicas(gateway) == 2, 120, "back to 2 replicas once idle")
 
 
 def test_a_client_that_leaves_frees_its_place(gateway):
@@ -487,8 +495,7 @@ def test_a_replica_killed_mid_stream_gives_an_error_event_and_the_gateway_goes_o
     assert [e["code"] for e in errors] == ["replica_failed"] and rest[-1] == "data: [DONE]"
     again = chat(gateway.url, gateway.small, "Are you still there?")  # another replica answers
     assert again.status_code == 200, again.text
-    running = lambda: replica_states(gateway.url, gateway.small).get("RUNNING", 0)  # noqa: E731
-    wait_for(lambda: running() == 2, 120, "Ray Serve to replace the killed replica")
+    wait_for(lambda: running_replicas(gateway) == 2, 120, "Ray Serve to replace the killed replica")
 
 
 def is_ray(process: psutil.Process) -> bool:
