@@ -51,8 +51,7 @@ if not torch.cuda.is_available():
 LONGEST_FIRST = ["test_10_gateway.py", "test_notebooks.py", "test_09_tensor_parallel.py", "test_homework.py",
                  "test_fuzz.py", "test_attention.py", "test_all_stages.py", "test_hardening.py", "test_openai_api.py",
                  "test_bench.py"]
-SPLIT_BY = {"test_notebooks.py": None, "test_fuzz.py": None, "test_all_stages.py": None, "test_homework.py": "stage",
-            "test_attention.py": "stage"}
+SPLIT_BY = {"test_notebooks.py": None, "test_fuzz.py": None, "test_all_stages.py": None, "test_homework.py": "stage"}
 STAGE_IN_PARAMETERS = re.compile(r"\[.*?\b(?:stage(\d\d)|(\d\d)_[a-z])")  # [03_paged_kv-cpu], [stage08]
 
 
