@@ -161,10 +161,11 @@ def run_graded_tests(stage: int, root: Path) -> tuple[int, list[dict[str, str]]]
         report = Path(tmp) / "report.json"
         command = [
             sys.executable, "-m", "pytest", *map(str, graded_test_files(stage)),
-            "-p", "common.homework", f"--grade-stage={stage}", f"--grade-report={report}",
+            "-p", "common.homework", f"--grade-stage={stage}", f"--grade-report={report}", "-p", "pytest_timeout",
             "-p", "no:cacheprovider", "-o", "addopts=", "-q", "--tb=line", "-rfE",
         ]
-        env = {**os.environ, "STAGE_ROOT": str(root.resolve())}
+        # Only the plugins above: loading every installed one (schemathesis, hypothesis ...) costs seconds a run.
+        env = {**os.environ, "STAGE_ROOT": str(root.resolve()), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
         exit_code = subprocess.run(command, cwd=REPO, env=env, check=False).returncode
         return exit_code, json.loads(report.read_text()) if report.exists() else []
 
