@@ -138,7 +138,6 @@ def costs_from_results(path: Path) -> dict[str, SpeculationCost]:
     return {"guesses eager": SpeculationCost(eager, static), "guesses replayed": SpeculationCost(static, static)}
 
 
-
 def fixed_cost(path: Path, replayed: bool) -> SpeculationCost:
     """The costs of a ``step_bench`` result file that an engine runs by: with CUDA graphs, its steps with guesses
     ``replayed`` from the static buffers or run eagerly; without, the one measured cost."""

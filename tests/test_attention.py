@@ -51,7 +51,7 @@ def device(request) -> str:
 # A kernel's output is a function of its code and its inputs, and Triton's interpreter is slow. So on the CPU a
 # stage whose triton_attention.py is byte-identical to an earlier stage's (04 and 06 have 03's) takes the output
 # that file's kernel gave for the very same inputs, and compares it with its own reference: the same assertion on
-# the same code, the kernel run once per version of its file. (The file's tests run as one group, in stage order.)
+# the same code, the kernel run once per version of its file. (The file's tests run as one group: one worker.)
 KERNEL_OUTPUTS: dict[tuple, torch.Tensor] = {}
 
 
