@@ -77,7 +77,8 @@ def main() -> None:
     large = large_folder(fleet.large_model or (RANDOM_LARGE if args.demo else ""))
     specs = model_specs(engine, fleet, large)
     print(f"Models: {', '.join(f'{s.name} ({s.size}, {s.engine.model})' for s in specs)}")
-    print(f"Replicas of each: {fleet.min_replicas} to {fleet.max_replicas}, {fleet.replica_cpus} CPU each; "
+    pinned = f" (the large model: {fleet.large_replicas})" if fleet.large_replicas and len(specs) > 1 else ""
+    print(f"Replicas of each: {fleet.min_replicas} to {fleet.max_replicas}{pinned}, {fleet.replica_cpus} CPU each; "
           f"router: {fleet.router}; autoscaling past {fleet.target_queue_depth} waiting requests per replica")
     started = time.perf_counter()
     try:

@@ -60,6 +60,13 @@ def deployment_name(model: str) -> str:
     return "model-" + re.sub(r"[^A-Za-z0-9_-]", "-", model)
 
 
+def replica_bounds(spec: ModelSpec, fleet: GatewayConfig) -> tuple[int, int]:
+    """The fewest and the most replicas of one model."""
+    if spec.size == "large" and fleet.large_replicas > 0:
+        return fleet.large_replicas, fleet.large_replicas
+    return fleet.min_replicas, fleet.max_replicas
+
+
 def model_deployment(spec: ModelSpec, fleet: GatewayConfig) -> Application:
     """One model's replicas: each a ModelReplica holding ``replica_cpus`` CPUs, routed and autoscaled."""
     if fleet.router == "prefix":
@@ -69,8 +76,9 @@ def model_deployment(spec: ModelSpec, fleet: GatewayConfig) -> Application:
         router = RequestRouterConfig(request_router_class=POW2_ROUTER)
     policy = AutoscalingPolicy(policy_function=QueueDepthPolicy, policy_kwargs={
         "target_depth": fleet.target_queue_depth, "slots": fleet.max_ongoing_requests})
+    fewest, most = replica_bounds(spec, fleet)
     autoscaling = AutoscalingConfig(
-        min_replicas=fleet.min_replicas, max_replicas=fleet.max_replicas, initial_replicas=fleet.min_replicas,
+        min_replicas=fewest, max_replicas=most, initial_replicas=fewest,
         metrics_interval_s=fleet.metrics_interval_s, look_back_period_s=max(1.0, 2 * fleet.metrics_interval_s),
         upscale_delay_s=fleet.upscale_delay_s, downscale_delay_s=fleet.downscale_delay_s, policy=policy)
     threads = max(1, math.ceil(fleet.replica_cpus))
@@ -93,7 +101,7 @@ def build_app(specs: list[ModelSpec], fleet: GatewayConfig) -> Application:
 
 def cpus_needed(specs: list[ModelSpec], fleet: GatewayConfig) -> float:
     """The CPUs Ray must be told of for every model to reach its maximum."""
-    return len(specs) * fleet.max_replicas * fleet.replica_cpus
+    return sum(replica_bounds(spec, fleet)[1] for spec in specs) * fleet.replica_cpus
 
 
 def start(specs: list[ModelSpec], fleet: GatewayConfig, host: str = "127.0.0.1", port: int = 8010) -> str:

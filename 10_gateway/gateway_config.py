@@ -25,6 +25,9 @@ class GatewayConfig:
     # Replicas: each one a whole stage 09 engine in its own process.
     min_replicas: int = field(default=1, metadata={"help": "replicas of each model the autoscaler never goes below"})
     max_replicas: int = field(default=2, metadata={"help": "replicas of each model the autoscaler never goes above"})
+    large_replicas: int = field(default=0, metadata={
+        "help": "a fixed number of replicas for the large model (a costly model, used less); 0: autoscaled "
+                "between --min-replicas and --max-replicas like the small one"})
     replica_cpus: float = field(default=1.0, metadata={
         "help": "CPUs Ray reserves for each replica (fractions allowed); its PyTorch threads: this, rounded up"})
     replica_gpus: float = field(default=0.0, metadata={

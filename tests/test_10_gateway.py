@@ -1,8 +1,8 @@
 """Stage 10: the gateway. The rules alone first (the difficulty rule, the prefix router's choice, the scaling
 decision: no Ray), then one fleet on a local Ray instance for the whole module: two models (the embedded
 model's folder twice, under two names, so that "small" and "large" are separate deployments), 2 to 3 replicas
-each with one PyTorch thread and a fraction of a CPU, short autoscaling delays. The last test stops it and
-checks that nothing is left running."""
+of the small model and one of the large, each with one PyTorch thread and a fraction of a CPU, short autoscaling
+delays. The last test stops it and checks that nothing is left running."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import asyncio
 import functools
 import json
 import random
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -201,10 +200,11 @@ def test_call_app_streams_and_a_caller_that_leaves_cancels_the_app():
 # --- the fleet on Ray ---------------------------------------------------------------------------
 
 
+# 30 s before a replica goes: the third replica, started by the first burst, has time to come up once it is over.
 FLEET = gateway_config.GatewayConfig(
-    min_replicas=2, max_replicas=3, replica_cpus=0.25, max_ongoing_requests=8, max_queued_requests=40,
-    router_imbalance=2, long_prompt_tokens=200, long_output_tokens=256, target_queue_depth=2, upscale_delay_s=0.5,
-    downscale_delay_s=8.0, metrics_interval_s=0.25)  # 8 s: the third replica outlives the pauses between load tests
+    min_replicas=2, max_replicas=3, large_replicas=1, replica_cpus=0.25, max_ongoing_requests=8,
+    max_queued_requests=40, router_imbalance=2, long_prompt_tokens=200, long_output_tokens=256, target_queue_depth=2,
+    upscale_delay_s=0.5, downscale_delay_s=30.0, metrics_interval_s=0.25)
 
 
 @pytest.fixture(scope="module")
@@ -217,6 +217,14 @@ def gateway(model_dir: Path) -> Iterator[SimpleNamespace]:
     yield live
     if not live.stopped:
         fleet.stop()
+
+
+def test_the_large_model_can_be_pinned_to_a_number_of_replicas(model_dir):
+    specs = fleet.model_specs(stage(FOLDER, "config").EngineConfig(model=str(model_dir)), FLEET, str(model_dir))
+    assert [fleet.replica_bounds(spec, FLEET) for spec in specs] == [(2, 3), (1, 1)]
+    unpinned = gateway_config.GatewayConfig(min_replicas=1, max_replicas=4, replica_cpus=0.5)
+    assert [fleet.replica_bounds(spec, unpinned) for spec in specs] == [(1, 4), (1, 4)]
+    assert fleet.cpus_needed(specs, FLEET) == (3 + 1) * 0.25
 
 
 def chat(url: str, model: str, content: str, **fields) -> httpx.Response:
@@ -242,6 +250,7 @@ def test_greedy_answers_through_the_gateway_are_hugging_faces(gateway, model_dir
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert replica_states(gateway.url, gateway.large) == {"RUNNING": 1}  # pinned (FLEET.large_replicas)
     cases = [(prompt, model) for prompt in TEXT_PROMPTS for model in (gateway.small, gateway.large)]
 
     def complete(prompt: str, model: str) -> httpx.Response:
@@ -370,47 +379,8 @@ def test_the_router_leaves_a_replica_too_far_ahead(gateway):
     assert len(set(served)) == 2, served
 
 
-class Load:
-    """``clients`` threads of one asyncio loop, each sending chat requests one after the other until stopped."""
-
-    def __init__(self, url: str, model: str, clients: int, max_tokens: int) -> None:
-        self.statuses: list[int] = []
-        self._stop = threading.Event()
-        body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                "messages": [{"role": "user", "content": "Count to one hundred."}]}
-
-        async def client(http: httpx.AsyncClient) -> None:
-            while not self._stop.is_set():
-                response = await http.post(f"{url}/v1/chat/completions", json=body)
-                self.statuses.append(response.status_code)
-
-        async def run() -> None:
-            async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=clients)) as http:
-                await asyncio.gather(*(client(http) for _ in range(clients)))
-
-        self._thread = threading.Thread(target=asyncio.run, args=(run(),), daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=300)
-        assert not self._thread.is_alive()
-
-
 def running_replicas(gateway: SimpleNamespace) -> int:
     return replica_states(gateway.url, gateway.small).get("RUNNING", 0)
-
-
-def test_the_fleet_grows_on_queued_requests(gateway):
-    """The two load tests below run on the third replica while it is still there: each burst would start one of
-    its own (CPU time the suite spends elsewhere). test_the_fleet_shrinks_when_idle then waits for it to go."""
-    wait_for(lambda: running_replicas(gateway) == 2, 60, "the minimum of 2 replicas")
-    load = Load(gateway.url, gateway.small, clients=32, max_tokens=32)  # 2 x 8 slots: 16 wait at the gateway
-    try:
-        wait_for(lambda: running_replicas(gateway) == 3, 120, "a third replica under load")
-    finally:
-        load.stop()
-    assert load.statuses and set(load.statuses) == {200}
 
 
 def test_the_gateway_queues_what_the_replicas_cannot_hold(gateway):
@@ -451,8 +421,17 @@ def test_past_its_queue_the_gateway_refuses_with_503_and_retry_after(gateway):
         [(r.headers, r.text) for r in refused if r.headers.get("retry-after") != "1"][:2]
 
 
+def test_the_fleet_grows_on_queued_requests(gateway):
+    """The two bursts above queued requests at the gateway, past target_queue_depth per replica for longer than
+    upscale_delay_s: the autoscaler added a third replica, which starts and loads its model."""
+    wait_for(lambda: running_replicas(gateway) == 3, 120, "a third replica after the queued bursts")
+
+
 def test_the_fleet_shrinks_when_idle(gateway):
-    wait_for(lambda: running_replicas(gateway) == 2, 120, "back to 2 replicas once idle")
+    def two_running_and_no_other() -> bool:
+        return {state: n for state, n in replica_states(gateway.url, gateway.small).items() if n} == {"RUNNING": 2}
+
+    wait_for(two_running_and_no_other, 120, "back to 2 replicas once idle")
 
 
 def test_a_client_that_leaves_frees_its_place(gateway):
@@ -495,6 +474,7 @@ def test_a_replica_killed_mid_stream_gives_an_error_event_and_the_gateway_goes_o
     assert [e["code"] for e in errors] == ["replica_failed"] and rest[-1] == "data: [DONE]"
     again = chat(gateway.url, gateway.small, "Are you still there?")  # another replica answers
     assert again.status_code == 200, again.text
+    wait_for(lambda: running_replicas(gateway) < 2, 30, "Ray Serve to see the replica gone")
     wait_for(lambda: running_replicas(gateway) == 2, 120, "Ray Serve to replace the killed replica")
 
 
