@@ -116,8 +116,11 @@ grade: install
 # Two worker processes (pytest-xdist), each taking whole groups of tests, the longest first (tests/conftest.py says
 # which: mostly a file each): much of the suite waits on servers, subprocesses and imports, and the two share the
 # cores (each runs PyTorch, and every process it starts, on its share).
+# The suite starts about a hundred Python processes (servers, ranks, kernels, Ray workers, gradings) that import the
+# same modules: Python's bytecode cache (__pycache__/, and pytest's of the rewritten test files) compiles each file
+# once, even where the environment turned it off (PYTHONDONTWRITEBYTECODE).
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+PYTEST := PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 STAGE_TESTS = $(if $(filter command line,$(origin STAGE)),$(if $(STAGE_DIR),-k "$(STAGE_DIR) or stage$(STAGE)",\
 	$(error no stage folder matches STAGE=$(STAGE))))
 .PHONY: test-fast

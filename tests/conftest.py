@@ -6,15 +6,18 @@ import dataclasses
 import hashlib
 import importlib
 import importlib.util
+import io
 import json
 import os
 import re
+import runpy
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -124,6 +127,17 @@ def stage(package: str, module: str) -> ModuleType:
         sys.modules[package] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(sys.modules[package])
     return importlib.import_module(f"{package}.{module}")
+
+
+def cli_help(package: str) -> str:
+    """What ``python -m <package> --help`` prints, from the stage's own ``__main__`` run in this process (a process
+    of its own would spend its time importing PyTorch again)."""
+    stage(package, "engine")  # the package, from where stage() takes it; then its __main__ as a script
+    printed = io.StringIO()
+    with patch.object(sys, "argv", [package, "--help"]), redirect_stdout(printed), pytest.raises(SystemExit) as end:
+        runpy.run_module(f"{package}.__main__", run_name="__main__")
+    assert end.value.code == 0
+    return printed.getvalue()
 
 
 # --- the model and the reference ---------------------------------------------------------------

@@ -4,14 +4,11 @@ and a request that could never fit the pool gets a clear 400."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import httpx
 import pytest
 import torch
 
-from .conftest import REPO, make_engine, stage
+from .conftest import cli_help, make_engine, stage
 from .prompts import TEXT_PROMPTS
 
 sampler = stage("03_paged_kv", "sampler")
@@ -107,8 +104,7 @@ def test_http_greedy_equals_hf(server03, engine03, hf_greedy):
 
 
 def test_cli_help_names_the_pool_flags():
-    out = subprocess.run([sys.executable, "-m", "03_paged_kv", "--help"], cwd=REPO, capture_output=True, text=True,
-                         timeout=120, check=True).stdout
+    out = cli_help("03_paged_kv")
     assert "--kv-cache-mb" in out and "--block-size" in out and "--demo" in out
 
 

@@ -4,14 +4,12 @@ the server serves many clients at once and frees what a disconnected one held.""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from .conftest import REPO, make_engine, stage
+from .conftest import cli_help, make_engine, stage
 from .prompts import CHAT_PROMPTS, TEXT_PROMPTS
 
 sampler = stage("04_continuous_batching", "sampler")
@@ -298,8 +296,7 @@ def test_a_request_that_can_never_fit_is_a_400(server04, engine04):
 
 @pytest.mark.e2e  # a whole model or a process: left out of `make test-fast`
 def test_cli_help_names_the_batching_flags():
-    out = subprocess.run([sys.executable, "-m", "04_continuous_batching", "--help"], cwd=REPO, capture_output=True,
-                         text=True, timeout=120, check=True).stdout
+    out = cli_help("04_continuous_batching")
     assert "--max-num-seqs" in out and "--max-num-batched-tokens" in out and "--demo" in out
 
 

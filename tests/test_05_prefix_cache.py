@@ -4,14 +4,12 @@ preemption, abort and a fully cached prompt leave the pool's books balanced."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from .conftest import REPO, make_engine, serve_stage, stage
+from .conftest import cli_help, make_engine, serve_stage, stage
 
 FOLDER = "05_prefix_cache"
 sampler = stage(FOLDER, "sampler")
@@ -215,8 +213,7 @@ def test_concurrent_clients_sharing_a_prompt_all_complete(server05):
 
 
 def test_cli_help_names_the_prefix_cache_flag():
-    out = subprocess.run([sys.executable, "-m", FOLDER, "--help"], cwd=REPO, capture_output=True, text=True,
-                         check=True).stdout
+    out = cli_help(FOLDER)
     assert "--prefix-cache {hash,radix,off}" in out
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from . import scheduling
-from .conftest import REPO, make_engine, stage
+from .conftest import REPO, cli_help, make_engine, stage
 from .scheduling import SilentDetokenizer
 from .test_05_prefix_cache import books_balance, chat  # the library's system prompt, and a pool at rest
 from .test_attention import dense_attention, extend_meta, paged_case
@@ -385,8 +385,7 @@ def test_n_samples_of_a_chunked_prompt_equal_stage_05s(cached_engine, unchunked)
 
 @pytest.mark.e2e  # a whole model or a process: left out of `make test-fast`
 def test_the_command_line_refuses_a_budget_below_max_num_seqs():
-    out = subprocess.run([sys.executable, "-m", FOLDER, "--help"], cwd=REPO, capture_output=True, text=True,
-                         check=True).stdout
+    out = cli_help(FOLDER)
     assert "--max-num-batched-tokens" in out and "token budget" in out
     refused = subprocess.run([sys.executable, "-m", FOLDER, "--max-num-batched-tokens", "8", "--demo"], cwd=REPO,
                              capture_output=True, text=True)
