@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 from transformers.cache_utils import Cache
 
 from common.device import pick_device, pick_dtype
 from common.trace import RequestTrace
-from common.weights import resolve_model
+from common.weights import load_tokenizer, resolve_model
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
@@ -40,7 +40,7 @@ class Engine:
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
         model_dir = resolve_model(config.model)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        self.tokenizer = load_tokenizer(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=self.dtype, local_files_only=True
         ).to(self.device)

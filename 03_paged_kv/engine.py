@@ -13,11 +13,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-from transformers import AutoTokenizer
 
 from common.device import pick_device, pick_dtype
 from common.trace import RequestTrace
-from common.weights import resolve_model
+from common.weights import load_tokenizer, resolve_model
 
 from .attention import AttentionMetadata, use_triton
 from .block_manager import BlockManager, token_slots
@@ -48,7 +47,7 @@ class Engine:
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
         model_dir = resolve_model(config.model)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        self.tokenizer = load_tokenizer(model_dir)
         self.model = LlamaForCausalLM.from_pretrained(model_dir, dtype=self.dtype, device=self.device)
         self.max_model_len: int = self.model.config.max_position_embeddings
         self.eos_token_ids = set(self.model.config.eos_token_ids)

@@ -17,11 +17,10 @@ from __future__ import annotations
 import time
 
 import torch
-from transformers import AutoTokenizer
 
 from common.device import pick_device, pick_dtype
 from common.trace import RequestTrace
-from common.weights import resolve_model
+from common.weights import load_tokenizer, resolve_model
 
 from .block_manager import BlockManager
 from .config import CPU_TOKEN_BUDGET, CUDA_TOKEN_BUDGET, EngineConfig
@@ -77,7 +76,7 @@ class Engine:
         self.dtype = pick_dtype(config.dtype, self.device)
         self.max_num_batched_tokens = token_budget(config, self.device)  # checked before the weights are loaded
         model_dir = resolve_model(config.model)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        self.tokenizer = load_tokenizer(model_dir)
         self.model = LlamaForCausalLM.from_pretrained(model_dir, dtype=self.dtype, device=self.device)
         self.max_model_len: int = self.model.config.max_position_embeddings
         self.eos_token_ids = set(self.model.config.eos_token_ids)

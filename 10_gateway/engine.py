@@ -33,11 +33,10 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
 from common.device import pick_device, pick_dtype
 from common.trace import RequestTrace
-from common.weights import resolve_model
+from common.weights import load_tokenizer, resolve_model
 
 from .block_manager import BlockManager
 from .config import CPU_TOKEN_BUDGET, CUDA_TOKEN_BUDGET, EngineConfig
@@ -127,7 +126,7 @@ class Engine:
         """Everything after the ranks have met: the tokenizer, this rank's weights, the runner and its pool (in step
         with every other rank's start-up, ``worker.py``), the proposer and the scheduler."""
         self.device = device_of(self.device, self.ranks.tp)  # on CUDA each rank its own GPU
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        self.tokenizer = load_tokenizer(model_dir)
         self.model = LlamaForCausalLM.from_pretrained(model_dir, dtype=self.dtype, device=self.device, tp=self.ranks.tp)
         self.max_model_len: int = self.model.config.max_position_embeddings
         self.eos_token_ids = set(self.model.config.eos_token_ids)

@@ -34,7 +34,7 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.types import Receive, Scope, Send
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from common.errors import add_error_handlers
 from common.limits import Limits, add_limits
@@ -47,6 +47,7 @@ from common.protocol import (
     SamplingRequest,
     now,
 )
+from common.weights import load_tokenizer
 
 from . import TITLE
 from .gateway_config import ROUTING_BLOCKS
@@ -132,7 +133,7 @@ class Gateway:
         self.rule = rule
         self.index = HashIndex(block_size)  # only its hashes() is used: the block hashes of stage 05
         self.tokenizers: dict[str, PreTrainedTokenizerBase] = {
-            model.name: AutoTokenizer.from_pretrained(model.folder) for model in models}
+            model.name: load_tokenizer(model.folder) for model in models}
         self.metrics = GatewayMetrics()
         self.in_flight = {name: 0 for name in self.models}  # per model: sent, not answered yet
         for name in self.models:

@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from common.weights import load_tokenizer
+
 from .block_manager import token_slots
 from .kv_cache import KVCache
 from .model import LlamaForCausalLM
@@ -140,9 +142,7 @@ def layer_skip_draft(target: LlamaForCausalLM, num_layers: int) -> LlamaForCausa
 def load_draft(path: str, target: LlamaForCausalLM, target_vocab: dict[str, int], dtype: torch.dtype,
                device: torch.device) -> LlamaForCausalLM:
     """A separate draft model from a local Hugging Face folder; its tokenizer must be the target's."""
-    from transformers import AutoTokenizer
-
-    if AutoTokenizer.from_pretrained(path, local_files_only=True).get_vocab() != target_vocab:
+    if load_tokenizer(path).get_vocab() != target_vocab:
         raise ValueError(f"--draft-model {path} has another tokenizer than the model: its guesses would be "
                          "other tokens")
     draft = LlamaForCausalLM.from_pretrained(Path(path), dtype=dtype, device=device)

@@ -34,12 +34,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from transformers import AutoTokenizer
 
 from common.bench import RESULTS, git_state, machine_info, stage_command, stage_server
 from common.loadgen import Workload, run_level, warm_up
 from common.net import free_port
-from common.weights import DEFAULT_MODEL, resolve_model
+from common.weights import DEFAULT_MODEL, load_tokenizer, resolve_model
 
 STAGE = __package__  # this stage's folder, 08_speculative (or a later stage's, in its copy)
 NUMBER = STAGE[:2]  # "08": the stage measured against stage 07, its label and its result files' prefix
@@ -100,7 +99,7 @@ def configurations(ks: list[int], proposers: list[str]) -> list[tuple[str, str, 
 
 def chat_prompts(model: str, questions: list[str]) -> list[str]:
     """Each question as the model's chat template renders it, for the completions endpoint."""
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(model), local_files_only=True)
+    tokenizer = load_tokenizer(resolve_model(model))
     return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                           tokenize=False) for q in questions]
 

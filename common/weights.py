@@ -10,11 +10,16 @@ load any local Llama, Qwen2 or Mistral checkpoint. Nothing is ever downloaded.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 CACHE_ENV = "LLM_COURSE_CACHE"
@@ -57,6 +62,20 @@ def resolve_model(name_or_path: str = DEFAULT_MODEL) -> Path:
         gguf_file = _embedded_gguf(name_or_path)
         build_atomically(target, lambda tmp: convert_gguf(gguf_file, tmp))
     return target
+
+
+def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of a local model folder: ``AutoTokenizer.from_pretrained``'s, without the model's code.
+
+    AutoTokenizer picks the tokenizer's class from the folder's tokenizer files and two fields of its config
+    (``model_type``, ``tokenizer_class``). Left to read the config itself, it goes through AutoConfig, which imports
+    the model's configuration module and much of transformers with it: about 1.5 s of CPU in every process that
+    starts a stage, a server or a replica. Handed the same fields in a plain PretrainedConfig, it picks the same
+    class from the same files."""
+    from transformers import AutoTokenizer, PretrainedConfig
+
+    config = PretrainedConfig.from_dict(json.loads((Path(model_dir) / "config.json").read_text()))
+    return AutoTokenizer.from_pretrained(model_dir, config=config, local_files_only=True)
 
 
 def _embedded_gguf(name: str) -> Path:
