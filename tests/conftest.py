@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -44,6 +45,19 @@ if workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # `make test` runs t
 # Without a GPU, the Triton kernels (stage 03 on) run in Triton's interpreter: set before triton is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def share_one_tls_context() -> None:
+    """Every request of the suite is plain HTTP to a server on this machine, yet each httpx client builds a TLS
+    context and loads the CA bundle into it (25 ms of CPU), and the tests make thousands of clients (each
+    ``httpx.post``, each poll of /metrics, each OpenAI client): they share one context, made once."""
+    for name in ("httpx", "httpx2"):  # httpx2: the OpenAI SDK's copy of httpx
+        if importlib.util.find_spec(name):  # (a GPU machine may have neither: see above)
+            transports = importlib.import_module(f"{name}._transports.default")
+            transports.create_ssl_context = functools.cache(transports.create_ssl_context)
+
+
+share_one_tls_context()
 
 
 # --- how `make test` shares the tests between its workers (pytest-xdist) ------------------------------------------
