@@ -4,6 +4,7 @@ anything else fails with one line that says what to do."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -89,3 +90,34 @@ def test_a_failed_build_leaves_nothing(tmp_path):
     with pytest.raises(RuntimeError):
         build_atomically(target, build)
     assert list(tmp_path.iterdir()) == []
+
+
+SAMPLES = ["Hello, world!", "  leading spaces and\ttabs\n", "日本語のテキスト 🙂", "<|im_start|>user\nhi<|im_end|>"]
+
+
+@pytest.mark.parametrize("tokenizer_class", [None, "GPT2Tokenizer"], ids=["as-converted", "another-class"])
+def test_load_tokenizer_gives_what_autotokenizer_gives(model_dir: Path, tmp_path, monkeypatch, tokenizer_class):
+    """The converted folder names TokenizersBackend and is loaded without AutoTokenizer (it is never called); a folder
+    naming another class goes through AutoTokenizer. Either way: the class and the text handling AutoTokenizer's."""
+    from transformers import AutoTokenizer
+
+    folder = model_dir
+    if tokenizer_class is not None:
+        folder = tmp_path / "model"
+        shutil.copytree(model_dir, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+        settings = json.loads((folder / "tokenizer_config.json").read_text())
+        (folder / "tokenizer_config.json").write_text(json.dumps({**settings, "tokenizer_class": tokenizer_class}))
+    expected = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    if tokenizer_class is None:
+        monkeypatch.setattr(AutoTokenizer, "from_pretrained", None)  # the direct path must not need it
+    got = weights.load_tokenizer(folder)
+    assert type(got) is type(expected)
+    assert (got.eos_token_id, got.bos_token_id, got.all_special_ids) == (expected.eos_token_id, expected.bos_token_id,
+                                                                          expected.all_special_ids)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": SAMPLES[2]}]
+    assert got.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == \
+        expected.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    for text in SAMPLES:
+        ids = expected(text).input_ids
+        assert got(text).input_ids == ids
+        assert got.decode(ids, skip_special_tokens=True) == expected.decode(ids, skip_special_tokens=True)
