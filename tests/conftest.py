@@ -47,6 +47,47 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def patch_triton_language_once_per_launch() -> None:
+    """Triton's interpreter swaps the language's functions (``tl.load`` ...) for interpreted ones when a kernel
+    launches, in the modules the kernel's globals name (``triton.language``, ``triton.language.core``), and undoes it
+    when the launch ends. It does the swap again at every call of a ``@triton.jit`` helper inside the kernel: for a
+    helper that names the same modules this changes nothing, yet takes a fifth of the interpreted kernels' time (the
+    course's kernels call a helper in every step of their loops). Such a call skips it; a helper that names other
+    modules (Triton's own ``tl.sum``, ``tl.cdiv``: ``core``) still swaps them, as before."""
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    swap, launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
+    swapped: set[int] = set()  # the modules swapped in the launch under way (the interpreter runs one at a time)
+
+    @functools.cache
+    def languages(fn) -> frozenset[int]:
+        return frozenset(id(value) for value in fn.__globals__.values()
+                         if inspect.ismodule(value) and value in (tl, tl.core))
+
+    def swap_once(fn):
+        if languages(fn) <= swapped:
+            return None  # a helper's call inside a launch: its return value is not used
+        scope = swap(fn)
+        swapped.update(languages(fn))
+        return scope
+
+    def launch_and_swap_back(self, *args, **kwargs):
+        try:
+            return launch(self, *args, **kwargs)  # swaps (swap_once), runs, and undoes the swap
+        finally:
+            swapped.clear()
+
+    interpreter._patch_lang = swap_once
+    interpreter.GridExecutor.__call__ = launch_and_swap_back
+
+
+if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton"):
+    patch_triton_language_once_per_launch()
+
+
 def share_one_tls_context() -> None:
     """Every request of the suite is plain HTTP to a server on this machine, yet each httpx client builds a TLS
     context and loads the CA bundle into it (25 ms of CPU), and the tests make thousands of clients (each
