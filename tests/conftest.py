@@ -13,7 +13,7 @@ import os
 import re
 import runpy
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 from types import ModuleType
@@ -225,29 +225,46 @@ def model_key(model_dir: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-@pytest.fixture(scope="session")
-def hf_greedy(request: pytest.FixtureRequest, model_dir: Path):
-    """hf_greedy(prompt_ids, n) -> the new token ids of ``generate(do_sample=False)``, EOS included.
+class References:
+    """Results of Hugging Face's model that many tests compare with: each computed once per model, then kept on disk
+    (a JSON file per model and kind under ~/.cache/llm-course/references), so that every stage, and every later run,
+    compares with it without running it again."""
 
-    Computed once per model and prompt, then kept on disk (a JSON file per model under
-    ~/.cache/llm-course/references), so that nine stages compare against it without re-running it."""
-    path = REFERENCES / f"greedy-{model_key(model_dir)}.json"
-    cache: dict[str, list[int]] = json.loads(path.read_text()) if path.is_file() else {}
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.cache: dict[str, list[int]] = json.loads(path.read_text()) if path.is_file() else {}
+
+    def get(self, key: str, compute: Callable[[], list[int]]) -> list[int]:
+        if key not in self.cache:
+            self.cache[key] = compute()
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            temporary = self.path.with_suffix(f".{os.getpid()}.tmp")
+            temporary.write_text(json.dumps(self.cache))
+            temporary.replace(self.path)  # atomic: a concurrent run never reads half a file
+        return self.cache[key]
+
+
+@pytest.fixture(scope="session")
+def references(model_dir: Path) -> Callable[[str], References]:
+    """references(kind) -> the References of that kind for the suite's model."""
+    return functools.cache(lambda kind: References(REFERENCES / f"{kind}-{model_key(model_dir)}.json"))
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(request: pytest.FixtureRequest, references):
+    """hf_greedy(prompt_ids, n) -> the new token ids of ``generate(do_sample=False)``, EOS included (kept on disk)."""
+    greedy = references("greedy")
 
     def run(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-        key = f"{max_new_tokens}:{','.join(map(str, prompt_ids))}"
-        if key not in cache:
+        def generate() -> list[int]:
             model, _ = request.getfixturevalue("hf")  # loaded only when a reference is missing
             ids = torch.tensor([prompt_ids])
             with torch.inference_mode():
                 out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                      do_sample=False)
-            cache[key] = out[0, len(prompt_ids):].tolist()
-            path.parent.mkdir(parents=True, exist_ok=True)
-            temporary = path.with_suffix(f".{os.getpid()}.tmp")
-            temporary.write_text(json.dumps(cache))
-            temporary.replace(path)  # atomic: a concurrent run never reads half a file
-        return cache[key]
+            return out[0, len(prompt_ids):].tolist()
+
+        return greedy.get(f"{max_new_tokens}:{','.join(map(str, prompt_ids))}", generate)
 
     return run
 

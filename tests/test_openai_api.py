@@ -5,6 +5,8 @@ every response is read with the official ``openai`` client, so its typed objects
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 import torch
@@ -267,15 +269,20 @@ def penalized_greedy(hf, prompt_ids: list[int], n: int, presence: float, frequen
 
 
 @pytest.fixture(scope="module")
-def penalized_case(hf, tokenizer):
+def penalized_case(hf, tokenizer, references):
     prompt = "Repeat after me: hello hello hello hello hello"
     prompt_ids = tokenizer(prompt).input_ids
     bias = {tokenizer(" world").input_ids[0]: 1.5, tokenizer(" hello").input_ids[0]: -0.5}
     settings = dict(presence=0.5, frequency=0.3, bias=bias)
-    expected = penalized_greedy(hf, prompt_ids, 10, **settings)
+
+    def reference(presence: float, frequency: float, bias: dict[int, float]) -> list[int]:  # kept on disk
+        key = json.dumps([prompt_ids, presence, frequency, sorted(bias.items())])
+        return references("penalized").get(key, lambda: penalized_greedy(hf, prompt_ids, 10, presence, frequency, bias))
+
+    expected = reference(**settings)
     # Each of the three changes this answer, so a server that drops any one of them fails the tests.
     for dropped in (dict(presence=0.0), dict(frequency=0.0), dict(bias={})):
-        assert penalized_greedy(hf, prompt_ids, 10, **{**settings, **dropped}) != expected, dropped
+        assert reference(**{**settings, **dropped}) != expected, dropped
     return prompt, prompt_ids, settings, expected
 
 
