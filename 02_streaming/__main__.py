@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from common.cli import DEMO_PROMPTS, config_from_args, served_name, stage_parser
-from common.device import DeviceUnavailable
+from common.device import DeviceUnavailable, build_off_the_main_thread
 from common.limits import Limits, add_limit_args
 from common.trace import Tracer, add_trace_args
 
@@ -37,7 +37,7 @@ def main() -> None:
     add_trace_args(parser)
     args = parser.parse_args()
     try:
-        engine = Engine(config_from_args(EngineConfig, args))
+        engine = build_off_the_main_thread(lambda: Engine(config_from_args(EngineConfig, args)))
     except DeviceUnavailable as exc:
         raise SystemExit(f"error: {exc}") from None
     print(f"Loaded {args.model} on {engine.device} ({engine.dtype}), context {engine.max_model_len} tokens")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from common.cli import DEMO_PROMPTS, config_from_args, served_name, stage_parser
-from common.device import DeviceUnavailable
+from common.device import DeviceUnavailable, build_off_the_main_thread
 from common.limits import Limits, add_limit_args
 from common.trace import Tracer, add_trace_args
 
@@ -90,7 +90,7 @@ def main() -> None:
     add_trace_args(parser)
     args = parser.parse_args()
     try:
-        engine = Engine(config_from_args(EngineConfig, args))
+        engine = build_off_the_main_thread(lambda: Engine(config_from_args(EngineConfig, args)))
     except (DeviceUnavailable, ValueError) as exc:  # no such device; a budget below max_num_seqs; a bad draft
         raise SystemExit(f"error: {exc}") from None
     cache = engine.kv_cache

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from common.cli import DEMO_PROMPTS, config_from_args, served_name, stage_parser
-from common.device import DeviceUnavailable, pick_device
+from common.device import DeviceUnavailable, build_off_the_main_thread, pick_device
 from common.limits import Limits, add_limit_args
 from common.trace import Tracer, add_trace_args
 
@@ -63,7 +63,7 @@ def start_engine(config: EngineConfig) -> Engine:
     """The engine, or exit with a one-line error: no such device; a budget below max_num_seqs; a bad draft; a
     --tensor-parallel-size that does not split the model; a rank that exited at start-up."""
     try:
-        return Engine(config)
+        return build_off_the_main_thread(lambda: Engine(config))
     except (DeviceUnavailable, ValueError, RanksOutOfStep) as exc:
         raise SystemExit(f"error: {exc}") from None
 

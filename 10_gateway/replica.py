@@ -23,6 +23,8 @@ import torch
 from fastapi import FastAPI
 from starlette.types import Message
 
+from common.device import build_off_the_main_thread
+
 from .async_engine import AsyncEngine
 from .config import EngineConfig
 from .engine import Engine
@@ -47,7 +49,7 @@ class ModelReplica:
         torch.set_num_threads(threads)  # Ray reserved these cores for this process
         self.replica = replica_id()
         self.served_name = served_name
-        self.engine = AsyncEngine(Engine(config))
+        self.engine = AsyncEngine(build_off_the_main_thread(lambda: Engine(config)))
         self.app: FastAPI = create_app(self.engine, served_name)
         self.engine.start()  # (the app's lifespan would start it; called over ASGI, the app has none)
 

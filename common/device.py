@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 class DeviceUnavailable(RuntimeError):
@@ -47,3 +52,17 @@ def keep_freed_memory() -> None:
     m_trim_threshold, m_mmap_threshold = -1, -3  # mallopt's parameter numbers, from <malloc.h>
     libc.mallopt(m_mmap_threshold, 1 << 30)  # up to 1 GiB: from the heap, kept when freed
     libc.mallopt(m_trim_threshold, 2 << 30)  # return the heap's free top to the OS only past 2 GiB
+
+
+def build_off_the_main_thread(make: Callable[[], T]) -> T:
+    """``make()`` (an engine: weights loaded, kernels warmed up) on a thread that ends when it returns.
+
+    On a CPU, PyTorch's operators split their work over OpenMP threads, and OpenMP gives every thread that starts
+    such work a pool of worker threads of its own. A server builds its engine and then steps it on the engine
+    thread: built on the main thread, the engine would leave a pool there too, and the process would hold more
+    OpenMP threads than the machine has cores. GNU OpenMP then lets its idle workers spin only briefly before they
+    sleep, so each of a step's hundreds of small operations waits for a worker to wake: on 2 cores a decode step of
+    the course model took 65 ms on the engine thread against 41 ms on the thread that built it. A thread's pool ends
+    with the thread, so the engine thread's pool is the only one. (On a GPU this changes nothing.)"""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="build") as builder:
+        return builder.submit(make).result()  # raises what make() raised

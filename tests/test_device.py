@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
 
-from common.device import DeviceUnavailable, pick_device, pick_dtype
+from common.device import DeviceUnavailable, build_off_the_main_thread, pick_device, pick_dtype
 
 from .stages import REPO
 
@@ -31,3 +32,23 @@ def test_a_stage_asked_for_cuda_without_it_says_so_in_one_line():
     assert run.returncode != 0
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --device cuda: CUDA is not usable here")
+
+
+def test_build_off_the_main_thread_builds_on_a_thread_that_has_ended():
+    """What it builds comes back; it was built on another thread, which is gone (and its OpenMP pool with it)."""
+    built_on: list[threading.Thread] = []
+
+    def make() -> torch.Tensor:
+        built_on.append(threading.current_thread())
+        return torch.ones(4) @ torch.ones(4)
+
+    assert build_off_the_main_thread(make).item() == 4.0
+    assert built_on[0] is not threading.current_thread() and not built_on[0].is_alive()
+
+
+def test_build_off_the_main_thread_raises_what_the_build_raised():
+    def fail() -> None:
+        raise DeviceUnavailable("--device cuda: CUDA is not usable here")
+
+    with pytest.raises(DeviceUnavailable, match="not usable"):  # so each __main__'s one-line error still works
+        build_off_the_main_thread(fail)
