@@ -80,6 +80,18 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
     return blocks.flatten(0, 1)[:seq_len]  # the last block may be only partly filled
 
 
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """``scaled_dot_product_attention``; on a CPU, 16-bit inputs are computed in float32 and the output cast back.
+
+    Without native bfloat16 instructions (AVX2 only: no AVX512-BF16 or AMX) PyTorch's CPU kernel is several times
+    slower on 16-bit inputs than on float32 ones: a decode of 16 sequences of 256 tokens (9 query heads, 3 KV heads
+    of 64) takes 2.4 ms in bfloat16, 0.34 ms in float32 and 0.5-0.8 ms cast to float32 and back. It accumulates in
+    float32 either way, so the upcast answer is as accurate or better. (CUDA runs its own 16-bit kernels.)"""
+    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+        return torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kwargs).to(q.dtype)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor,
                                scale: float) -> torch.Tensor:
@@ -118,9 +130,8 @@ def extend_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         else:
             query_positions = torch.arange(seq_len - (end - start), seq_len, device=q.device)  # [n]
             visible = torch.arange(seq_len, device=q.device)[None, :] <= query_positions[:, None]  # [n, L]
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1)[None], keys[None], values[None], attn_mask=visible,
-            is_causal=visible is None, scale=scale, enable_gqa=True)  # [1, H, n, D]
+        o = _sdpa(q[start:end].transpose(0, 1)[None], keys[None], values[None], attn_mask=visible,
+                  is_causal=visible is None, scale=scale, enable_gqa=True)  # [1, H, n, D]
         out[start:end] = o[0].transpose(0, 1)  # [n, H, D]
     return out
 

@@ -389,3 +389,24 @@ def test_kernels_in_bfloat16_match_the_float32_reference(attn, kernels, device):
     expected = attn.extend_attention_reference(q.float(), k_cache.float(), v_cache.float(), meta, scale)
     out = run_extend(kernels, device, q, k_cache, v_cache, meta, scale)
     torch.testing.assert_close(out.float(), expected, atol=BF16_ATOL, rtol=0)
+
+
+def test_the_reference_in_bfloat16_matches_itself_in_float32(attn):
+    """On a CPU the reference computes bfloat16 inputs in float32 (PyTorch's CPU kernel is slow on 16-bit inputs
+    without native bfloat16 instructions) and hands back bfloat16: only the output's rounding differs."""
+    scale = 1 / math.sqrt(64)
+    q, k_cache, v_cache, tables, lens, _ = paged_case(5, [7, 40, 130], 16, 2, 3)
+    q, k_cache, v_cache = (t.bfloat16() for t in (q, k_cache, v_cache))
+    out = attn.decode_attention_reference(q, k_cache, v_cache, tables, lens, scale)
+    expected = attn.decode_attention_reference(q.float(), k_cache.float(), v_cache.float(), tables, lens, scale)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, atol=BF16_ATOL, rtol=0)
+
+    cached_new = [(0, 33), (16, 9)]
+    q, k_cache, v_cache, tables, _, _ = paged_case(6, [33, 25], 16, 2, 3, num_queries=[33, 9])
+    q, k_cache, v_cache = (t.bfloat16() for t in (q, k_cache, v_cache))
+    meta = extend_meta(attn, cached_new, tables)
+    out = attn.extend_attention_reference(q, k_cache, v_cache, meta, scale)
+    expected = attn.extend_attention_reference(q.float(), k_cache.float(), v_cache.float(), meta, scale)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, atol=BF16_ATOL, rtol=0)
