@@ -22,7 +22,9 @@ help:
 	@echo "make bench [STAGE=NN] [QUICK=1]  benchmark a stage: results/<device>/NN_name.json + .png"
 	@echo "make bench STAGE=NN PREFIX=1     the same with a 1000-token system prompt shared by every request"
 	@echo "                                 (a prefix cache's workload): results/<device>/NN_name_shared_prefix.json"
-	@echo "make peer [STAGE=NN] [QUICK=1]   the stage against transformers serve --continuous-batching: results/<device>/peer.json"
+	@echo "make peer [STAGE=NN] [QUICK=1] [DTYPE=float32|bfloat16] [LEVELS=\"1 4 16 64\"]"
+	@echo "                                 the stage against transformers serve --continuous-batching, both in DTYPE"
+	@echo "                                 (default float32 on a CPU): results/<device>/peer.json (peer_bf16.json)"
 	@echo "make soak [STAGE=NN]             waves of 256 streaming clients: every request whole, memory flat"
 	@echo "make mixed                       chat streams while long prompts arrive: 05, then 06 at several token"
 	@echo "                                 budgets -> results/<device>/mixed.json + .png (about 15 minutes)"
@@ -82,10 +84,13 @@ soak: install
 
 # Against Hugging Face's own continuous-batching server: `transformers serve` (offline, on the same model folder)
 # gets the standard sweep and is stopped, then the stage gets the same sweep; the ratio of tokens/s per level.
-# QUICK=1: the short sweep, under results/quick/.
+# QUICK=1: the short sweep, under results/quick/. DTYPE=bfloat16 (or float32): both servers in that dtype (default:
+# the stage's, float32 on a CPU); bfloat16 writes peer_bf16.json and .png. LEVELS="1 4": the concurrency levels
+# (default 1 4 16 64; with QUICK=1, the quick sweep's).
 .PHONY: peer
 peer: install
-	$(PY) -m common.peer --stage $(STAGE) $(if $(filter 1,$(QUICK)),--quick)
+	$(PY) -m common.peer --stage $(STAGE) $(if $(filter 1,$(QUICK)),--quick) $(if $(DTYPE),--dtype $(DTYPE)) \
+		$(if $(LEVELS),--levels $(LEVELS))
 
 # Stage 06's workload: chat streams decoding while long prompts arrive; stage 05, then 06 at each budget.
 .PHONY: mixed

@@ -235,6 +235,23 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+# The instruction sets a CPU's matrix products depend on: bfloat16 ones are fast only with avx512_bf16 or AMX (without
+# them PyTorch converts to float32 and back), and int8 ones use VNNI. Results from different hosts say which they had.
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni", "avx_vnni")
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str] | None:
+    """Which of CPU_FLAGS the first ``flags`` line of /proc/cpuinfo lists, in CPU_FLAGS' order; None where there
+    is no such file (not Linux) or no such line."""
+    if not cpuinfo.is_file():
+        return None
+    for line in cpuinfo.read_text().splitlines():
+        if line.startswith("flags") and ":" in line:
+            present = set(line.split(":", 1)[1].split())
+            return [flag for flag in CPU_FLAGS if flag in present]
+    return None
+
+
 def machine_info(device: str) -> dict[str, Any]:
     import torch
 
@@ -242,6 +259,7 @@ def machine_info(device: str) -> dict[str, Any]:
         "platform": platform.platform(),
         "python": platform.python_version(),
         "cpu": cpu_model(),
+        "cpu_flags": cpu_flags(),  # of CPU_FLAGS, those this CPU has: bfloat16 is slow on a CPU without the bf16 ones
         "cpu_count": os.cpu_count(),
         # What this process may use: a container often gets fewer cores than the machine has.
         "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),

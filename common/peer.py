@@ -1,21 +1,27 @@
 """The course's latest stage against Hugging Face's own continuous-batching server, one after the other.
 
-    python -m common.peer                 # transformers serve, then the latest stage: the standard sweep
+    python -m common.peer                 # transformers serve, then the latest stage: levels 1, 4, 16, 64
     python -m common.peer --quick         # the short sweep, written under results/quick/ (also: make peer QUICK=1)
     python -m common.peer --stage 04      # another stage against the same peer
+    python -m common.peer --dtype bfloat16   # both in bfloat16: peer_bf16.json (also: make peer DTYPE=bfloat16)
+    python -m common.peer --levels 1 4 8 16 32 64   # bench's six levels (also: make peer LEVELS="1 4 8 16 32 64")
 
 First ``transformers serve <model folder> --continuous-batching`` on the folder every stage loads (see
 common/weights.py), offline (``HF_HUB_OFFLINE=1``: it serves the local folder and downloads nothing), on the
-stage's device and dtype (float32 on a CPU), with ``--cb-num-blocks 128 --cb-max-batch-tokens 512`` where this
-transformers has those options. When it answers, the standard sweep of common/bench.py runs against it, and it
-is stopped, its whole process group. Then the stage's server starts the way ``python -m common.bench --stage``
+stage's device and dtype (float32 on a CPU unless ``--dtype`` says otherwise; both servers get the same), with
+``--cb-num-blocks 128 --cb-max-batch-tokens 512`` where this transformers has those options. When it answers, the
+sweep of common/bench.py runs against it, and it is stopped, its whole process group: bench's full sweep (64
+requests of 64 tokens a level) at concurrency 1, 4, 16 and 64 (``--levels`` for others, ``--quick`` for bench's
+short sweep). Then the stage's server starts the way ``python -m common.bench --stage``
 starts it, gets the same sweep, and is stopped: the two never run at once. The work is the same for both:
 greedy, streamed, and exactly ``max_tokens`` tokens a request (``ignore_eos`` for the stage; transformers
 refuses that field, so its requests carry a generation config without an EOS id instead).
 
-It writes ``results/<device>/peer.json`` (both results as common/bench.py writes them, the machine, the date,
-the git commit, the commands, and per level the ratio stage / transformers of output tokens/s) and
-``peer.png`` beside it, and prints the ratio table.
+It writes ``results/<device>/peer.json`` (both results as common/bench.py writes them, the machine with its CPU's
+instruction-set flags, the dtype, the date, the git commit, the commands, and per level the ratio stage /
+transformers of output tokens/s) and ``peer.png`` beside it, and prints the ratio table. Another dtype than float32
+gets files of its own, so that neither overwrites the other: ``peer_bf16.json`` and ``peer_bf16.png`` for bfloat16
+(on a CPU, fast only where it has avx512_bf16 or AMX: see ``cpu_flags`` in the JSON's machine).
 """
 
 from __future__ import annotations
@@ -50,6 +56,11 @@ CB_OPTIONS = ["--cb-num-blocks", "128", "--cb-max-batch-tokens", "512"]
 # transformers refuses ignore_eos (422: unexpected field); a generation config without an EOS id makes every
 # request run to max_tokens all the same. With temperature 0 it decodes greedily.
 PEER_EXTRA_BODY = {"ignore_eos": None, "generation_config": json.dumps({"eos_token_id": -1})}
+# The concurrency levels of the peer's full sweep: bench's FULL (1, 4, 8, 16, 32, 64) without 8 and 32, the same
+# requests and tokens a level; the sweep runs twice, once per server.
+PEER_LEVELS = [1, 4, 16, 64]
+# A result file's suffix per dtype: float32 keeps peer.json, the others get files of their own.
+DTYPE_SUFFIX = {"float32": "", "bfloat16": "_bf16", "float16": "_fp16"}
 # The peer's environment: nothing from the Hub (the model is a local folder), no update check against PyPI.
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
                "NO_COLOR": "1"}
@@ -71,16 +82,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="device both run on (auto: CUDA when there is one)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="auto: float32 on CPU, bfloat16 on CUDA (the stages' rule), for both")
+                        help="for both servers; auto: the stage's default, float32 on CPU, bfloat16 on CUDA. "
+                             "Not float32: results go to peer_bf16.json / peer_fp16.json (also: DTYPE=bfloat16)")
     parser.add_argument("--quick", action="store_true", default=os.environ.get("QUICK", "") in ("1", "true", "yes"),
                         help=f"bench's short sweep (levels {bench.QUICK.levels}, {bench.QUICK.requests_per_level} "
                              f"requests, {bench.QUICK.max_tokens} tokens), written under results/quick/ "
                              "(also: QUICK=1)")
-    parser.add_argument("--levels", type=int, nargs="+", help="override the concurrency levels")
+    parser.add_argument("--levels", type=int, nargs="+",
+                        help=f"the concurrency levels (default: {' '.join(map(str, PEER_LEVELS))}; with --quick, "
+                             f"bench's {' '.join(map(str, bench.QUICK.levels))}) (also: LEVELS=\"1 4\")")
     parser.add_argument("--requests", type=int, help="override the requests per level")
     parser.add_argument("--max-tokens", type=int, help="override the output tokens per request")
-    parser.add_argument("--out", type=Path, help="folder for peer.json and peer.png (default: results/<device>/)")
+    parser.add_argument("--out", type=Path, help="folder for peer.json and peer.png, or peer_bf16.json and "
+                                                  "peer_bf16.png (default: results/<device>/)")
     args = parser.parse_args(argv)
+    if args.levels is None and not args.quick:
+        args.levels = list(PEER_LEVELS)
     args.stage = bench.stage_folder(args.stage)[:2]  # '9' -> '09'; exits when there is no such stage
     return args
 
@@ -297,12 +314,19 @@ def plot_peer(result: dict[str, Any], out: str | Path) -> Path:
     return out
 
 
+def result_stem(dtype: str) -> str:
+    """The result files' name for a run in ``dtype``: 'peer' for float32, 'peer_bf16' for bfloat16, ..."""
+    return "peer" + DTYPE_SUFFIX.get(dtype, f"_{dtype}")
+
+
 def write_peer(result: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
-    """peer.json and peer.png in ``out_dir``."""
+    """peer.json and peer.png in ``out_dir`` (peer_bf16.json and peer_bf16.png for a bfloat16 run, see
+    result_stem)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = out_dir / "peer.json"
+    stem = result_stem(result["dtype"])
+    json_path = out_dir / f"{stem}.json"
     json_path.write_text(bench.dumps(result) + "\n")
-    return json_path, plot_peer(result, out_dir / "peer.png")
+    return json_path, plot_peer(result, out_dir / f"{stem}.png")
 
 
 def main(argv: list[str] | None = None) -> None:
