@@ -8,6 +8,9 @@ disable_created_metrics()  # no *_created series: they only add noise to a cours
 
 # Seconds. Fine at the low end: a decode step of a small model takes a few milliseconds.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Short events: from a few microseconds (writing one event out, one phase of a step) to a CPU's forward pass.
+PHASE_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 class Metrics:
@@ -25,6 +28,8 @@ class Metrics:
         # Busy is not efficient: a step of one sequence counts as much as a step of 64.
         self.engine_busy = Counter("llm_engine_busy_seconds", "Seconds the engine thread spent computing "
                                    "(not waiting for work); its rate is the engine's busy fraction.", registry=r)
+        self.stream_write = Histogram("llm_stream_write_seconds", "Time the event loop took to write one streamed "
+                                      "event out (server-sent events).", buckets=PHASE_BUCKETS, registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

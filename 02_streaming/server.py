@@ -142,7 +142,8 @@ def create_app(engine: AsyncEngine, model_name: str, limits: Limits | None = Non
             return CompletionResponse(id=rid, created=created, model=model_name, choices=choices, usage=usage)
 
         if req.stream:
-            return sse_response(outputs, [], chunk, req.include_usage, trace)
+            return sse_response(outputs, [], chunk, req.include_usage, trace,
+                                engine.metrics.stream_write.observe)
         if (everything := await collect(outputs, raw)) is None:
             return client_gone()
         return respond(chunk(everything, usage_of(everything[-1])), trace)
@@ -170,7 +171,8 @@ def create_app(engine: AsyncEngine, model_name: str, limits: Limits | None = Non
             # The first chunk names the role, as OpenAI's does; content follows.
             opening = ChatCompletionChunk(id=rid, created=created, model=model_name,
                                           choices=[ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
-            return sse_response(outputs, [opening], chunk, req.include_usage, trace)
+            return sse_response(outputs, [opening], chunk, req.include_usage, trace,
+                                engine.metrics.stream_write.observe)
         if (everything := await collect(outputs, raw)) is None:
             return client_gone()
         text, logprobs = writer.chat(everything)
@@ -238,11 +240,13 @@ def sse_response(
     chunk: Callable[..., BaseModel],
     include_usage: bool,
     trace: RequestTrace,
+    on_write: Callable[[float], None] | None = None,
 ) -> StreamingResponse:
     """Stream ``first``, then a chunk per group of outputs that has text to send, then usage if asked.
 
     ``chunk(step)`` builds the endpoint's chunk for a list of outputs (their text and logprobs);
-    ``chunk(None, usage=...)`` builds the closing usage chunk, with no choices.
+    ``chunk(None, usage=...)`` builds the closing usage chunk, with no choices. ``on_write`` is given the
+    seconds each event took to write out (a metric's ``observe``).
     """
 
     async def events() -> AsyncIterator[str]:
@@ -274,7 +278,7 @@ def sse_response(
             await outputs.aclose()
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(trace.sending(events()), media_type="text/event-stream",
+    return StreamingResponse(trace.sending(events(), on_write), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
 
 

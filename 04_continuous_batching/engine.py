@@ -12,12 +12,10 @@ that arrives mid-way joins at the next step.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from common.device import pick_device, pick_dtype
-from common.trace import RequestTrace
+from common.trace import RequestTrace, StepClock
 from common.weights import load_tokenizer, resolve_model
 
 from .block_manager import BlockManager
@@ -111,17 +109,25 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     # --- one step -------------------------------------------------------------------------
-    def step(self) -> StepResult:
+    def step(self, clock: StepClock | None = None) -> StepResult:
         """One iteration, a pipeline: schedule, prepare, execute, sample, update (the scheduler appends each new
-        token, finishes and frees). Returns every scheduled sequence's output."""
-        started = time.perf_counter()
+        token, finishes and frees). Returns every scheduled sequence's output.
+
+        ``clock`` times each phase (the server's /metrics and --trace show them). On a GPU the forward pass
+        runs asynchronously: ``execute`` only launches it, and its time shows in ``sample``, the first phase
+        that waits for its result."""
+        clock = clock or StepClock()
         batch = self.scheduler.schedule()
+        clock.lap("schedule")
         if not batch.seqs:
             return StepResult([])
         try:
             inputs = self.runner.prepare(batch)
+            clock.lap("prepare")
             logits, prompt_logits = self.runner.execute(inputs)  # [B, V], and [M, V] for prompts to score
+            clock.lap("execute")
             sampled = self._sample(batch, inputs, logits, prompt_logits)
+            clock.lap("sample")
         except Exception as exc:  # one pass for the whole batch: all of it fails (their caches are half written)
             if isinstance(exc, torch.AcceleratorError):
                 # A CUDA error (a device-side assert, say) is sticky: every later kernel on this GPU fails
@@ -130,10 +136,10 @@ class Engine:
                 raise EngineStopped(f"the GPU failed: {exc}") from exc
             return StepResult([self.scheduler.fail(seq, exc) for seq in batch.seqs], batch.num_tokens)
         kind: StepKind = "prefill" if batch.is_prefill else "decode"
-        ended = time.perf_counter()
         for seq in batch.seqs:
-            seq.trace.add(kind, started, ended)  # the whole step: the sequence waited for all of the batch
-        return StepResult(self.scheduler.update(batch, sampled), batch.num_tokens)
+            seq.trace.add(kind, clock.started, clock.last)  # the whole step: the sequence waited for all of the batch
+        return StepResult(self.scheduler.update(batch, sampled, clock), batch.num_tokens,
+                          decode_only=not batch.is_prefill)
 
     def _sample(self, batch: Batch, inputs: StepInput, logits: torch.Tensor,
                 prompt_logits: torch.Tensor | None) -> list[Sampled]:

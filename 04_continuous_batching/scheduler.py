@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from common.trace import StepClock
+
 from .block_manager import BlockManager
 from .sampler import TokenLogprobs
 from .sequence import FinishReason, RequestOutput, Sequence, SequenceStatus
@@ -140,19 +142,24 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # --- after the step ---------------------------------------------------------------------
-    def update(self, batch: Batch, sampled: list[Sampled]) -> list[RequestOutput]:
+    def update(self, batch: Batch, sampled: list[Sampled], clock: StepClock | None = None) -> list[RequestOutput]:
         """The step has run: every sequence of ``batch`` has all its tokens in the cache, and ``sampled[i]`` is
         what was chosen for ``batch.seqs[i]``. Append it, decide whether the sequence is done (and free it), and
         return every sequence's output. A failure in one sequence's own work (its text, its stop strings)
-        fails that sequence alone."""
+        fails that sequence alone. ``clock`` times the bookkeeping (``update``) apart from ``_append``,
+        which is mostly the detokenizer's work (``detokenize``)."""
+        clock = clock or StepClock()
         outputs = []
         for seq, news in zip(batch.seqs, sampled, strict=True):
             seq.num_computed_tokens = seq.num_tokens
+            clock.lap("update")
             try:
                 with seq.trace.span("detokenize"):
                     outputs.append(self._append(seq, news))
             except Exception as exc:
                 outputs.append(self.fail(seq, exc))
+            clock.lap("detokenize")
+        clock.lap("update")
         return outputs
 
     def _append(self, seq: Sequence, news: Sampled) -> RequestOutput:

@@ -83,8 +83,8 @@ def main() -> None:
 
     from .server import create_app
 
-    app = create_app(AsyncEngine(engine), served_name(args.model), Limits.from_args(args),
-                     Tracer.from_args(args))
+    tracer = Tracer.from_args(args)
+    app = create_app(AsyncEngine(engine, tracer=tracer), served_name(args.model), Limits.from_args(args), tracer)
     uvicorn.run(app, host=args.host, port=args.port)
 
 

@@ -11,12 +11,12 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from common.trace import RequestTrace
+from common.trace import NO_TRACE, RequestTrace, StepClock, Tracer
 
 from .engine import Engine, EngineStopped, InvalidRequest
 from .metrics import Metrics
 from .sampler import SamplingParams
-from .sequence import Request, RequestOutput
+from .sequence import Request, RequestOutput, StepResult
 from .stats import EngineStats
 
 log = logging.getLogger("llm-course")
@@ -50,10 +50,14 @@ class AsyncEngine:
     outputs from the request's own asyncio queue, and ``stats()`` returns the snapshot the thread
     took after its last step. The thread takes everything from the inbox (new requests, aborts)
     between two steps, so the engine is only ever used by one thread.
+
+    A step's outputs cross to the event loop together, in one call: each crossing wakes the loop (a write
+    to its self-pipe, a system call), so one per output would cost a batch of 64 sixty-four wake-ups.
     """
 
-    def __init__(self, engine: Engine, metrics: Metrics | None = None) -> None:
+    def __init__(self, engine: Engine, metrics: Metrics | None = None, tracer: Tracer = NO_TRACE) -> None:
         self._engine = engine
+        self._tracer = tracer  # with --trace, each step's phases too
         # What the server may read from any thread: fixed at start-up.
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
@@ -67,6 +71,7 @@ class AsyncEngine:
         self._lock = threading.Lock()  # so that no request slips into the inbox after the thread's last look
         self._stopped = False  # set under the lock when the thread exits: submitting then fails fast
         self._next_id = 0
+        self._num_steps = 0
         self._counted = self._stats  # the snapshot the counters were last moved to
 
     def start(self) -> None:
@@ -132,14 +137,17 @@ class AsyncEngine:
         finally:  # a normal stop, or a bug that killed the thread: fail whatever is left at once
             with self._lock:
                 self._stopped = True
+            failed_outputs = []
             for request_id, request in self._requests.items():
                 self._engine.abort(request_id)  # its blocks go back to the pool
-                self._deliver(request, RequestOutput.failed(request_id, stopped, len(request.prompt_ids)))
+                failed_outputs.append((request, RequestOutput.failed(request_id, stopped, len(request.prompt_ids))))
             self._requests.clear()
             while not self._inbox.empty():
                 if isinstance(message := self._inbox.get(), AddRequest):
                     request = message.request
-                    self._deliver(request, RequestOutput.failed(request.request_id, stopped, len(request.prompt_ids)))
+                    failed_outputs.append((request, RequestOutput.failed(request.request_id, stopped,
+                                                                         len(request.prompt_ids))))
+            self._deliver(failed_outputs)
             self._stats = self._engine.stats()
 
     def _step_loop(self) -> None:
@@ -147,13 +155,13 @@ class AsyncEngine:
             # Idle: sleep until something arrives. Busy: take what has arrived, without waiting.
             if not self._drain_inbox(block=not self._engine.has_unfinished()):
                 return
-            started = time.perf_counter()
-            result = self._engine.step()
-            self.metrics.engine_busy.inc(time.perf_counter() - started)  # its rate: the busy fraction
+            clock = StepClock()
+            result = self._engine.step(clock)
             stats = self._engine.stats()
             self.metrics.count(self._counted, stats)  # the counters move before the new snapshot is published:
             self._stats = self._counted = stats  # whoever sees an idle engine sees its counters complete
             now = time.perf_counter()
+            ready = []
             for output in result.outputs:
                 if (request := self._requests.get(output.request_id)) is None:
                     continue  # another of its samples failed in this step: the request has ended
@@ -164,7 +172,19 @@ class AsyncEngine:
                     del self._requests[output.request_id]
                 if output.error is None:
                     self._record(request, output, now)
-                self._deliver(request, output)
+                ready.append((request, output))
+            self._deliver(ready)
+            clock.lap("handoff")
+            self._observe(clock, result)
+
+    def _observe(self, clock: StepClock, result: StepResult) -> None:
+        """A step's phases into /metrics (and --trace). An idle look at the scheduler is no step."""
+        if not result.num_tokens:
+            return
+        self.metrics.engine_busy.inc(clock.last - clock.started)  # its rate: the busy fraction
+        self.metrics.observe_step(clock.phases, result.decode_only)
+        self._num_steps += 1
+        self._tracer.write_step(self._num_steps, clock, len(result.outputs), result.num_tokens, result.decode_only)
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply every queued add and abort; False when asked to stop."""
@@ -188,7 +208,7 @@ class AsyncEngine:
         try:
             self._engine.add_request(request.request_id, request.prompt_ids, request.params, request.trace, request.n)
         except InvalidRequest as exc:
-            self._deliver(request, RequestOutput.failed(request.request_id, exc, len(request.prompt_ids)))
+            self._deliver([(request, RequestOutput.failed(request.request_id, exc, len(request.prompt_ids)))])
             return
         self._requests[request.request_id] = request
         self.metrics.prompt_tokens.inc(len(request.prompt_ids))
@@ -204,9 +224,20 @@ class AsyncEngine:
         request.last_token_time = now
 
     @staticmethod
-    def _deliver(request: Request, output: RequestOutput) -> None:
-        """Hand an output to the request's asyncio queue from this (non-asyncio) thread."""
-        try:
-            request.loop.call_soon_threadsafe(request.outputs.put_nowait, output)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
+    def _deliver(ready: list[tuple[Request, RequestOutput]]) -> None:
+        """Hand outputs to their requests' asyncio queues from this (non-asyncio) thread: one call per event
+        loop (a server has one), whatever the number of outputs."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Request, RequestOutput]]] = {}
+        for request, output in ready:
+            by_loop.setdefault(request.loop, []).append((request, output))
+        for loop, outputs in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(put_all, outputs)
+            except RuntimeError:  # the event loop is closed: nobody is listening any more
+                pass
+
+
+def put_all(ready: list[tuple[Request, RequestOutput]]) -> None:
+    """On the event loop: each output into its request's queue."""
+    for request, output in ready:
+        request.outputs.put_nowait(output)

@@ -64,7 +64,7 @@ class ModelRunner:
         for seq in batch.seqs:
             start, end = seq.num_computed_tokens, seq.num_tokens  # a decode: end - start == 1
             ### BEGIN SOLUTION 4.3
-            input_ids.extend(seq.token_ids[start:end])
+            input_ids.extend(seq.tokens(start, end))
             positions.extend(range(start, end))
             slot_mapping.extend(token_slots(seq.block_table, self.block_size, start, end))
             query_start_loc.append(query_start_loc[-1] + end - start)

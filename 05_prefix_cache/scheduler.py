@@ -32,6 +32,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from common.trace import StepClock
+
 from .block_manager import BlockManager
 from .sampler import TokenLogprobs
 from .sequence import FinishReason, RequestOutput, Sequence, SequenceStatus
@@ -172,12 +174,14 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # --- after the step ---------------------------------------------------------------------
-    def update(self, batch: Batch, sampled: list[Sampled]) -> list[RequestOutput]:
+    def update(self, batch: Batch, sampled: list[Sampled], clock: StepClock | None = None) -> list[RequestOutput]:
         """The step has run: every sequence of ``batch`` has all its tokens in the cache, and ``sampled[i]`` is
         what was chosen for ``batch.seqs[i]``. Index the blocks the step filled, start the other samples of a
         request whose prompt is now cached, append each new token, decide whether the sequence is done (and
         free it), and return every sequence's output. A failure in one sequence's own work (its text, its stop
-        strings) fails that sequence alone."""
+        strings) fails that sequence alone. ``clock`` times the bookkeeping (``update``) apart from ``_append``,
+        which is mostly the detokenizer's work (``detokenize``)."""
+        clock = clock or StepClock()
         outputs, block_size = [], self.block_manager.block_size
         for seq, news in zip(batch.seqs, sampled, strict=True):
             filled = seq.num_tokens // block_size > seq.num_computed_tokens // block_size
@@ -186,11 +190,14 @@ class Scheduler:
                 self.block_manager.cache_full_blocks(seq.token_ids, seq.block_table, seq.num_computed_tokens)
             if seq.forks:  # its prompt is cached now: the request's other samples can start
                 self._fork(seq)
+            clock.lap("update")
             try:
                 with seq.trace.span("detokenize"):
                     outputs.append(self._append(seq, news))
             except Exception as exc:
                 outputs.append(self.fail(seq, exc))
+            clock.lap("detokenize")
+        clock.lap("update")
         return outputs
 
     def _fork(self, seq: Sequence) -> None:

@@ -14,12 +14,10 @@ everyone else's decodes.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from common.device import pick_device, pick_dtype
-from common.trace import RequestTrace
+from common.trace import RequestTrace, StepClock
 from common.weights import load_tokenizer, resolve_model
 
 from .block_manager import BlockManager
@@ -152,18 +150,26 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     # --- one step -------------------------------------------------------------------------
-    def step(self) -> StepResult:
+    def step(self, clock: StepClock | None = None) -> StepResult:
         """One iteration, a pipeline: schedule, prepare, execute, sample, update (the scheduler counts the step's
         tokens, appends each new token, finishes and frees). Returns the output of every sequence that has news
-        (a chunk that ends part-way through its prompt has none)."""
-        started = time.perf_counter()
+        (a chunk that ends part-way through its prompt has none).
+
+        ``clock`` times each phase (the server's /metrics and --trace show them). On a GPU the forward pass
+        runs asynchronously: ``execute`` only launches it, and its time shows in ``sample``, the first phase
+        that waits for its result."""
+        clock = clock or StepClock()
         batch = self.scheduler.schedule()
+        clock.lap("schedule")
         if not batch.seqs:
             return StepResult([])
         try:
             inputs = self.runner.prepare(batch)
+            clock.lap("prepare")
             logits, prompt_logits = self.runner.execute(inputs)  # [S, V] for the S that sample; [M, V] to score prompts
+            clock.lap("execute")
             sampled = self._sample(batch, inputs, logits, prompt_logits)
+            clock.lap("sample")
         except Exception as exc:  # one pass for the whole batch: all of it fails (their caches are half written)
             if isinstance(exc, torch.AcceleratorError):
                 # A CUDA error (a device-side assert, say) is sticky: every later kernel on this GPU fails
@@ -171,11 +177,13 @@ class Engine:
                 # stops, and the server says so (503) instead of answering each request with a 500.
                 raise EngineStopped(f"the GPU failed: {exc}") from exc
             return StepResult([self.scheduler.fail(seq, exc) for seq in batch.seqs], batch.num_tokens)
-        ended = time.perf_counter()
-        for seq in batch.seqs:  # the whole step: each waited for all of the batch
-            kind: StepKind = "decode" if seq.output_ids and seq.num_new_tokens == 1 else "prefill"
-            seq.trace.add(kind, started, ended)
-        return StepResult(self.scheduler.update(batch, sampled), batch.num_tokens)
+        kinds: list[StepKind] = ["decode" if seq.output_ids and seq.num_new_tokens == 1 else "prefill"
+                                 for seq in batch.seqs]
+        for seq, kind in zip(batch.seqs, kinds, strict=True):  # the whole step: each waited for all of the batch
+            seq.trace.add(kind, clock.started, clock.last)
+        num_tokens = batch.num_tokens  # read before update, which counts the scheduled tokens as computed
+        return StepResult(self.scheduler.update(batch, sampled, clock), num_tokens,
+                          decode_only="prefill" not in kinds)
 
     def _sample(self, batch: Batch, inputs: StepInput, logits: torch.Tensor,
                 prompt_logits: torch.Tensor | None) -> list[Sampled]:

@@ -29,13 +29,12 @@ every rank.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
 
 from common.device import pick_device, pick_dtype
-from common.trace import RequestTrace
+from common.trace import RequestTrace, StepClock
 from common.weights import load_tokenizer, resolve_model
 
 from .block_manager import BlockManager
@@ -273,21 +272,30 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     # --- one step -------------------------------------------------------------------------
-    def step(self) -> StepResult:
+    def step(self, clock: StepClock | None = None) -> StepResult:
         """One iteration, a pipeline: schedule, propose, prepare, execute, verify, update (the scheduler counts the
         step's tokens, appends each run, finishes and frees). Returns the output of every sequence that has news
-        (a chunk that ends part-way through its prompt has none)."""
-        started = time.perf_counter()
+        (a chunk that ends part-way through its prompt has none).
+
+        ``clock`` times each phase (the server's /metrics and --trace show them). On a GPU the forward pass
+        runs asynchronously: ``execute`` only launches it, and its time shows in ``verify``, the first phase
+        that waits for its result."""
+        clock = clock or StepClock()
         batch = self.scheduler.schedule()
+        clock.lap("schedule")
         if not batch.seqs:
             return StepResult([])
         try:
             self._propose(batch)
+            clock.lap("propose")
             inputs = self.runner.prepare(batch)
+            clock.lap("prepare")
             self.ranks.send(inputs)  # every other rank runs the same step on its slices
             logits, prompt_logits = self.runner.execute(inputs)  # [R, V]: 1 + k rows per sampling sequence; [M, V]
+            clock.lap("execute")
             self._wait_for_ranks()
             sampled = self._verify(batch, inputs, logits, prompt_logits)
+            clock.lap("verify")
         except Exception as exc:  # one pass for the whole batch: all of it fails (their caches are half written)
             if isinstance(exc, RanksOutOfStep):  # a rank died, or failed mid-step
                 self.check_ranks()  # the better message, when a process is gone
@@ -298,13 +306,15 @@ class Engine:
                 # stops, and the server says so (503) instead of answering each request with a 500.
                 raise EngineStopped(f"the GPU failed: {exc}") from exc
             return StepResult([self.scheduler.fail(seq, exc) for seq in batch.seqs], batch.num_tokens)
-        ended = time.perf_counter()
-        for seq in batch.seqs:  # the whole step: each waited for all of the batch
-            kind: StepKind = "decode" if seq.output_ids and seq.num_new_tokens == 1 else "prefill"
-            seq.trace.add(kind, started, ended)
+        kinds: list[StepKind] = ["decode" if seq.output_ids and seq.num_new_tokens == 1 else "prefill"
+                                 for seq in batch.seqs]
+        for seq, kind in zip(batch.seqs, kinds, strict=True):  # the whole step: each waited for all of the batch
+            seq.trace.add(kind, clock.started, clock.last)
         accepted_lengths = [len(news.token_ids) - 1 for seq, news in zip(batch.seqs, sampled, strict=True)
                             if seq.draft_ids]
-        return StepResult(self.scheduler.update(batch, sampled), batch.num_tokens, accepted_lengths)
+        num_tokens = batch.num_tokens  # read before update, which counts the scheduled tokens as computed
+        return StepResult(self.scheduler.update(batch, sampled, clock), num_tokens,
+                          decode_only="prefill" not in kinds, accepted_lengths=accepted_lengths)
 
     def _propose(self, batch: Batch) -> None:
         """The sequences the scheduler reserved room for get up to that many guesses each."""

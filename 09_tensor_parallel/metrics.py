@@ -14,6 +14,9 @@ disable_created_metrics()  # no *_created series: they only add noise to a cours
 
 # Seconds. Fine at the low end: a decode step of a small model takes a few milliseconds.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Short events: from a few microseconds (writing one event out, one phase of a step) to a CPU's forward pass.
+PHASE_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 class Metrics:
@@ -31,6 +34,16 @@ class Metrics:
         # Busy is not efficient: a step of one sequence counts as much as a step of 64.
         self.engine_busy = Counter("llm_engine_busy_seconds", "Seconds the engine thread spent computing "
                                    "(not waiting for work); its rate is the engine's busy fraction.", registry=r)
+        # Where a token's time goes: the model's (execute) and the server's own (every other phase).
+        self.step_phase = Histogram("llm_step_phase_seconds", "Time of each phase of an engine step: schedule, "
+                                    "propose, prepare, execute (the forward pass), verify, update, detokenize, and "
+                                    "handoff (its outputs counted and passed to the event loop).", ["phase"],
+                                    buckets=PHASE_BUCKETS, registry=r)
+        self.decode_step = Histogram("llm_decode_step_seconds", "The forward pass (execute) of each step in which "
+                                     "every sequence decoded: the model's part of an inter-token latency.",
+                                     buckets=PHASE_BUCKETS, registry=r)
+        self.stream_write = Histogram("llm_stream_write_seconds", "Time the event loop took to write one streamed "
+                                      "event out (server-sent events).", buckets=PHASE_BUCKETS, registry=r)
 
         self.preemptions = Counter("llm_preemptions", "Sequences preempted (blocks taken back, to be recomputed).",
                                    registry=r)
@@ -67,6 +80,13 @@ class Metrics:
         self.kv_blocks_cached.set_function(lambda: stats().kv_blocks.cached)
         self.kv_blocks_evictable.set_function(lambda: stats().kv_blocks.evictable)
         self.spec_acceptance_rate.set_function(lambda: stats().speculation.acceptance_rate)
+
+    def observe_step(self, phases: dict[str, float], decode_only: bool) -> None:
+        """One step's phases, in seconds (``StepClock.phases``)."""
+        for phase, seconds in phases.items():
+            self.step_phase.labels(phase).observe(seconds)
+        if decode_only:
+            self.decode_step.observe(phases["execute"])
 
     def count(self, before: EngineStats, after: EngineStats) -> None:
         """Move the counters by what the engine counted between two of its snapshots."""

@@ -90,12 +90,6 @@ class NgramIndex:
         return None
 
 
-def tokens_between(seq: Sequence, start: int, stop: int) -> list[int]:
-    """``seq.token_ids[start:stop]``, without building the whole list (``token_ids`` joins prompt and output)."""
-    prompt = seq.prompt_ids
-    return prompt[start:stop] + seq.output_ids[max(0, start - len(prompt)) : max(0, stop - len(prompt))]
-
-
 class NgramProposer:
     """``ngram_propose`` for every sequence, through each one's ``NgramIndex`` (on the sequence, made at its first
     proposal): the same guesses, for a few dictionary lookups and O(n_max) work per token appended since."""
@@ -116,11 +110,11 @@ class NgramProposer:
         assert (index.n_min, index.n_max) == (self.n_min, self.n_max), "the index was built for other n"
         length = seq.num_tokens
         assert index.length < length, "a sequence's tokens only ever grow"
-        new = tokens_between(seq, index.length, length)  # what it appended since the last proposal
+        new = seq.tokens(index.length, length)  # what it appended since the last proposal
         for token in new[:-1]:
             index.add(token)
         end = index.latest_end([*index.recent, new[-1]], longest=min(self.n_max, length - 1))
-        return [] if end is None else tokens_between(seq, end, end + k)
+        return [] if end is None else seq.tokens(end, end + k)
 
 
 # --- a draft model ------------------------------------------------------------------------------------------
@@ -186,7 +180,7 @@ class DraftProposer:
             start = seq.num_draft_computed_tokens
             end = min(seq.num_tokens, start + room)
             if end > start:
-                rows.append((seq, seq.token_ids[start:end], start))
+                rows.append((seq, seq.tokens(start, end), start))
                 catching_up.append(i)
                 seq.num_draft_computed_tokens = end
                 room -= end - start

@@ -62,6 +62,7 @@ class StepResult:
 
     outputs: list[RequestOutput]
     num_tokens: int = 0  # tokens the forward pass ran (0: nothing was scheduled)
+    decode_only: bool = False  # every sequence decoded, none computed prompt tokens: a step an ITL is made of
     accepted_lengths: list[int] = field(default_factory=list)  # each verification's: the guesses it kept
 
 
@@ -103,7 +104,14 @@ class Sequence:
 
     @property
     def token_ids(self) -> list[int]:
+        """Prompt and output joined: a new list of every token, so not for each step (see ``tokens``)."""
         return self.prompt_ids + self.output_ids
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """``token_ids[start:stop]`` without joining the two lists: a step's cost must not grow with the
+        sequence's length, and a decode step needs one token of it."""
+        prompt = self.prompt_ids
+        return prompt[start:stop] + self.output_ids[max(0, start - len(prompt)) : max(0, stop - len(prompt))]
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -302,7 +302,7 @@ class ModelRunner:
             ### BEGIN SOLUTION 6.2
             start = seq.num_computed_tokens
             end = start + seq.num_scheduled_tokens  # a decode: 1 + k (its guesses); a chunk: part of the prompt
-            input_ids.extend((seq.token_ids + seq.draft_ids)[start:end])
+            input_ids.extend(seq.tokens(start, end) + seq.draft_ids[: max(0, end - seq.num_tokens)])
             positions.extend(range(start, end))
             slot_mapping.extend(token_slots(seq.block_table, self.block_size, start, end))
             query_start_loc.append(query_start_loc[-1] + end - start)

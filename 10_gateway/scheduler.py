@@ -41,6 +41,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from common.trace import StepClock
+
 from .block_manager import BlockManager
 from .policy import SpeculationCost, plan_guesses
 from .sampler import TokenLogprobs
@@ -267,14 +269,16 @@ class Scheduler:
             seq.num_scheduled_tokens = 1 + len(proposal.token_ids)
 
     # --- after the step ---------------------------------------------------------------------
-    def update(self, batch: Batch, sampled: list[Sampled]) -> list[RequestOutput]:
+    def update(self, batch: Batch, sampled: list[Sampled], clock: StepClock | None = None) -> list[RequestOutput]:
         """The step has run: every sequence of ``batch`` has this step's tokens in the cache, and ``sampled[i]`` is
         what was chosen for ``batch.seqs[i]``: the run verification kept (its accepted guesses and one token of
         the model's own), nothing for a chunk that ends part-way through its prompt. Count the computed tokens
         (rejected guesses are not), index the blocks they filled, start the other samples of a request whose
         prompt is now cached, append each run, decide whether the sequence is done (and free it), and return the
         output of every sequence that has news. A failure in one sequence's own work (its text, its stop
-        strings) fails that sequence alone."""
+        strings) fails that sequence alone. ``clock`` times the bookkeeping (``update``) apart from ``_append``,
+        which is mostly the detokenizer's work (``detokenize``)."""
+        clock = clock or StepClock()
         outputs = []
         for seq, news in zip(batch.seqs, sampled, strict=True):
             if news.prompt_logprobs is not None:  # echo: this chunk's part of the prompt's logprobs
@@ -284,11 +288,14 @@ class Scheduler:
             self._advance(seq, news.token_ids[:-1])
             if not news.token_ids:
                 continue  # a mid-prompt chunk: nothing to say yet
+            clock.lap("update")
             try:
                 with seq.trace.span("detokenize"):
                     outputs.append(self._append(seq, news))
             except Exception as exc:
                 outputs.append(self.fail(seq, exc))
+            clock.lap("detokenize")
+        clock.lap("update")
         return outputs
 
     def _advance(self, seq: Sequence, accepted: list[int]) -> None:

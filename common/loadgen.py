@@ -31,6 +31,16 @@ after it, it reads the engine's busy seconds (``llm_engine_busy_seconds_total``,
 on): their difference over its wall time is the engine's busy fraction, the nearest thing
 a CPU server has to a GPU-utilization panel.
 
+A batching stage (04 on) also counts each phase of its steps (``llm_step_phase_seconds``: schedule,
+prepare, execute, sample or verify, update, detokenize, handoff). Read before and after a level, they
+give the level's mean step, phase by phase (``step_phases_ms``), and **the server's share of a token**:
+of the mean gap between two streamed chunks (ITL: a chunk per step), the part that is not the model's
+forward pass in a step that only decodes (``llm_decode_step_seconds``): ``1 - decode step / ITL``.
+Everything else (scheduling, preparing inputs, sampling, detokenizing, handing outputs to the event
+loop, writing them out, and waiting for the GIL or the cores) is the server's own time, which a token
+should not have to pay. (A step that computes prompts is longer, and no token of the level's running
+requests waits for it alone: it is left out of "the step".)
+
 The *shared-prefix workload* (``Workload.shared_prefix``, built by ``shared_prefix``) puts the same
 long system prompt in front of every request, as real chat traffic does: every conversation with a
 product's assistant starts with the same page of instructions. A server without a prefix cache
@@ -145,6 +155,8 @@ BUSY_METRIC = "llm_engine_busy_seconds_total"  # the course's stages (02 on): se
 # Prefix-cache counters, in prompt tokens: looked up in the cache, and found there. Ours (stage 05 on) and vLLM's.
 PREFIX_QUERIES_METRICS = ("llm_prefix_cache_queries_total", "vllm:prefix_cache_queries_total")
 PREFIX_HITS_METRICS = ("llm_prefix_cache_hits_total", "vllm:prefix_cache_hits_total")
+PHASE_METRIC = "llm_step_phase_seconds"  # the course's batching stages (04 on): a histogram, one series per phase
+DECODE_STEP_METRIC = "llm_decode_step_seconds"  # the forward pass of the steps that only decode (04 on)
 
 InFlightSource = Literal["server", "client"]
 
@@ -254,6 +266,7 @@ class LevelResult:
     in_flight: InFlight
     engine_busy: float | None = None  # share of the level's wall time the engine spent computing (02 on)
     prefix_cache_hit_rate: float | None = None  # share of the prompt tokens looked up found in the cache (05 on)
+    step_phases: StepPhases | None = None  # the level's steps, phase by phase (04 on)
 
     def summary(self) -> dict[str, Any]:
         """The level's aggregates; latencies over the requests that succeeded."""
@@ -277,7 +290,21 @@ class LevelResult:
             "in_flight": {"source": self.in_flight.source, "mean": self.in_flight.mean, "max": self.in_flight.max},
             "engine_busy": self.engine_busy,
             "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
+            **token_time(self.step_phases, stats("itl_s")),
         }
+
+
+def token_time(phases: StepPhases | None, itl: dict[str, float] | None) -> dict[str, Any]:
+    """Where a token's time went: the level's mean step phase by phase, in ms, and the server's share of the
+    mean ITL (None where the server does not count its phases, or nothing streamed)."""
+    if phases is None or not phases.steps:
+        return {"steps": None, "step_phases_ms": None, "decode_step_ms": None, "server_share": None}
+    share = None
+    if itl is not None and itl["mean"] > 0 and phases.decode_step_s is not None:
+        share = 1 - phases.decode_step_s / itl["mean"]
+    return {"steps": phases.steps, "step_phases_ms": {name: 1000 * s for name, s in phases.mean_s.items()},
+            "decode_step_ms": None if phases.decode_step_s is None else 1000 * phases.decode_step_s,
+            "server_share": share}
 
 
 # --- one request -------------------------------------------------------------------------------
@@ -410,12 +437,57 @@ class Counters:
     busy_s: float | None = None  # seconds the engine has spent computing since it started
     prefix_queries: float | None = None  # prompt tokens looked up in the prefix cache
     prefix_hits: float | None = None  # of those, tokens found there
+    phases: dict[str, tuple[float, float]] | None = None  # each step phase's (count, seconds) (04 on)
+    decode_steps: tuple[float, float] | None = None  # the decode-only steps' (count, forward-pass seconds) (04 on)
 
     @classmethod
     def parse(cls, metrics_text: str) -> Counters:
         return cls(busy_s=sum_series(metrics_text, (BUSY_METRIC,)),
                    prefix_queries=sum_series(metrics_text, PREFIX_QUERIES_METRICS),
-                   prefix_hits=sum_series(metrics_text, PREFIX_HITS_METRICS))
+                   prefix_hits=sum_series(metrics_text, PREFIX_HITS_METRICS),
+                   phases=parse_phases(metrics_text), decode_steps=parse_count_sum(metrics_text, DECODE_STEP_METRIC))
+
+
+def parse_count_sum(metrics_text: str, histogram: str) -> tuple[float, float] | None:
+    """A histogram's (count, sum) from a Prometheus text page; None without it."""
+    count = sum_series(metrics_text, (histogram + "_count",))
+    return None if count is None else (count, sum_series(metrics_text, (histogram + "_sum",)) or 0.0)
+
+
+def parse_phases(metrics_text: str) -> dict[str, tuple[float, float]] | None:
+    """``llm_step_phase_seconds``'s count and sum per phase, from a Prometheus text page; None without it."""
+    counts: dict[str, float] = {}
+    sums: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        for suffix, into in (("_count{", counts), ("_sum{", sums)):
+            if line.startswith(PHASE_METRIC + suffix) and 'phase="' in line:
+                into[line.split('phase="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
+    return {phase: (counts[phase], sums.get(phase, 0.0)) for phase in counts} or None
+
+
+@dataclass(frozen=True)
+class StepPhases:
+    """The steps a level ran: how many, the mean seconds per step of each phase, and the mean forward pass of
+    those that only decoded (None: there was none)."""
+
+    steps: int
+    mean_s: dict[str, float]
+    decode_step_s: float | None = None
+
+
+def step_phases_between(before: Counters, after: Counters) -> StepPhases | None:
+    """The steps between two readings (a step counts once per phase: ``schedule`` counts them all)."""
+    if before.phases is None and after.phases is None:
+        return None
+    start, end = before.phases or {}, after.phases or {}
+    steps = round(end.get("schedule", (0, 0))[0] - start.get("schedule", (0, 0))[0])
+    if steps <= 0:
+        return StepPhases(0, {})
+    decode_count, decode_s = (a - b for a, b in zip(after.decode_steps or (0, 0.0), before.decode_steps or (0, 0.0),
+                                                    strict=True))
+    return StepPhases(steps, {phase: (seconds - start.get(phase, (0, 0.0))[1]) / steps
+                              for phase, (_, seconds) in end.items()},
+                      decode_s / decode_count if decode_count > 0 else None)
 
 
 async def server_counters(client: httpx.AsyncClient) -> Counters:
@@ -480,6 +552,7 @@ class Sent:
     in_flight: InFlight
     engine_busy: float | None
     prefix_cache_hit_rate: float | None
+    step_phases: StepPhases | None = None
 
 
 async def send_requests(workload: Workload, arrivals: list[float], limit: int | None, desc: str) -> Sent:
@@ -520,14 +593,14 @@ async def send_requests(workload: Workload, arrivals: list[float], limit: int | 
             bar.close()
         after = await server_counters(client) if before != Counters() else Counters()
     return Sent(wall_s, list(records), in_flight, engine_busy_between(before, after, wall_s),
-                prefix_hit_rate_between(before, after))
+                prefix_hit_rate_between(before, after), step_phases_between(before, after))
 
 
 async def run_level(workload: Workload, concurrency: int, num_requests: int, desc: str = "") -> LevelResult:
     """Send ``num_requests`` requests, at most ``concurrency`` at a time, and time each one."""
     sent = await send_requests(workload, [0.0] * num_requests, concurrency, desc or f"concurrency {concurrency}")
     return LevelResult(concurrency, sent.wall_s, sent.records, sent.in_flight, sent.engine_busy,
-                       sent.prefix_cache_hit_rate)
+                       sent.prefix_cache_hit_rate, sent.step_phases)
 
 
 async def run_sweep(workload: Workload, levels: list[int], requests_per_level: int,
@@ -551,6 +624,7 @@ def format_summary(s: dict[str, Any]) -> str:
             + ("" if s.get("engine_busy") is None else f"engine busy {100 * s['engine_busy']:3.0f}%, ")
             + ("" if s.get("prefix_cache_hit_rate") is None
                else f"prefix cache hits {100 * s['prefix_cache_hit_rate']:3.0f}%, ")
+            + ("" if s.get("server_share") is None else f"server's share of a token {100 * s['server_share']:3.0f}%, ")
             + f"errors {s['errors']}")
 
 
@@ -638,6 +712,7 @@ class RateResult:
                           "max": self.sent.in_flight.max},
             "engine_busy": self.sent.engine_busy,
             "prefix_cache_hit_rate": self.sent.prefix_cache_hit_rate,
+            **token_time(self.sent.step_phases, stats([r.itl_s for r in ok])),
         }
 
 

@@ -237,6 +237,49 @@ def plot_traces(ax: Axes, traces: list[dict[str, Any]], title: str) -> None:
     ax.grid(True, axis="x", alpha=0.3)
 
 
+# The phases of a step (common/trace.py's StepClock), and what is left of a token's time outside the step.
+PHASE_COLORS = {"decode step": "tab:blue", "schedule": "tab:olive", "propose": "tab:cyan", "prepare": "tab:orange",
+                "sample": "tab:green", "verify": "tab:green", "update": "tab:purple", "detokenize": "tab:pink",
+                "handoff": "tab:brown", "outside the step": "tab:gray"}
+
+
+def token_time_parts(level: Level) -> dict[str, float]:
+    """A level's mean time between two tokens (ITL), in ms, cut into parts: the forward pass of a decode step, each
+    other phase of a mean step, and what is left outside the engine's step (the event loop writing events, the
+    threads waiting for each other). Empty for a level without phases (stages 01 to 03)."""
+    phases, itl = level.get("step_phases_ms"), level.get("itl_s")
+    if not phases or level.get("decode_step_ms") is None or itl is None:
+        return {}
+    parts = {"decode step": level["decode_step_ms"]}
+    parts |= {name: ms for name, ms in phases.items() if name != "execute"}
+    parts["outside the step"] = max(0.0, 1000 * itl["mean"] - sum(parts.values()))
+    return parts
+
+
+def plot_token_time(ax: Axes, results: Sequence[Result], concurrencies: Sequence[int]) -> None:
+    """One stacked bar per (result, concurrency): where a token's time went, from ``token_time_parts``."""
+    labels, bars = [], []
+    for result in results:
+        for level in result["levels"]:
+            if level["concurrency"] in concurrencies and (parts := token_time_parts(level)):
+                labels.append(f"{result['name']}\nc = {level['concurrency']}")
+                bars.append(parts)
+    for i, parts in enumerate(bars):
+        bottom = 0.0
+        for name, ms in parts.items():
+            ax.bar(i, ms, bottom=bottom, color=PHASE_COLORS.get(name, "black"), width=0.6)
+            bottom += ms
+        share = 100 * (1 - parts["decode step"] / bottom)
+        ax.text(i, bottom, f"{bottom:.0f} ms\nserver {share:.0f}%", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_ylabel("ms between two tokens (mean ITL)")
+    ax.set_title("Where a token's time goes: the model's decode step, and the server's own time")
+    shown = {name for parts in bars for name in parts}
+    ax.legend(handles=[Patch(color=color, label=name) for name, color in PHASE_COLORS.items() if name in shown],
+              fontsize=8, loc="upper left")
+    ax.margins(y=0.15)
+
+
 def plot_mixed(result: Result, out: str | Path) -> Path:
     """The mixed workload (common/mixed.py), in two panels. Left: every gap between two tokens of a chat stream,
     over the run, for the stage without a token budget and for stage 06 at the budget nearest 256 (grey lines:

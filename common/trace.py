@@ -15,6 +15,11 @@ Any stage from 02 takes ``--trace``. A request's life, in the order it happens:
 On a batching stage (04 on) a prefill or decode span is the whole step's time: the request shared
 that forward pass with the rest of the batch, and waited for all of it. A preempted request waits
 (``queued``) and is prefilled again. Tracing costs two clock reads per span; off, it costs nothing.
+
+A batching stage also writes one line per engine step, ``{"step": ...}``: where that step's time went,
+phase by phase (``StepClock``: schedule, prepare, execute, sample, update, detokenize, and the
+hand-off of its outputs to the event loop), the same phases its /metrics counts in
+``llm_step_phase_seconds``. ``read_traces`` reads the requests' lines, ``read_step_traces`` the steps'.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import json
 import sys
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,14 +75,18 @@ class RequestTrace:
         finally:
             self.add(name, start)
 
-    async def sending(self, events: AsyncGenerator[str, None]) -> AsyncIterator[str]:
+    async def sending(self, events: AsyncGenerator[str, None],
+                      observe: Callable[[float], None] | None = None) -> AsyncIterator[str]:
         """Pass a stream's events through, timing how long each takes to hand to the network; write the
-        trace when the stream ends. The time after ``yield`` is the server writing the event out."""
+        trace when the stream ends. The time after ``yield`` is the server writing the event out; ``observe``
+        (a metric's, say) is given each of those times, traced or not."""
         try:
             async with aclosing(events):  # closing this stream (the client left) closes ``events`` now
                 async for event in events:
                     start = time.perf_counter()
                     yield event
+                    if observe is not None:
+                        observe(time.perf_counter() - start)
                     self.add("send", start)
         finally:
             self.finish()
@@ -103,8 +112,24 @@ class RequestTrace:
                 "total_ms": round(1000 * (end - origin), 3), "totals_ms": totals, "spans": spans}
 
 
+class StepClock:
+    """Where one engine step's time goes: ``lap(phase)`` ends the phase that began at the previous lap (or
+    when the clock started) and adds its time to ``phase``. A phase may come back (detokenize, then update,
+    once per sequence): its laps add up. One clock read per lap: cheap enough to run on every step."""
+
+    def __init__(self) -> None:
+        self.started = self.last = time.perf_counter()
+        self.phases: dict[str, float] = {}  # seconds per phase, in the order they first ran
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - self.last
+        self.last = now
+
+
 class Tracer:
-    """Writes every finished request's trace as one JSON line, to stderr or to a file."""
+    """Writes every finished request's trace as one JSON line, to stderr or to a file; and, from the engine
+    thread, one line per step (``write_step``)."""
 
     def __init__(self, path: str | None) -> None:
         self.path = path  # None: off; "-": stderr
@@ -122,7 +147,18 @@ class Tracer:
         return RequestTrace(self if self.enabled else None, request_id)
 
     def write(self, trace: RequestTrace) -> None:
-        line = json.dumps(trace.as_dict())
+        self._write_line(json.dumps(trace.as_dict()))
+
+    def write_step(self, step: int, clock: StepClock, num_seqs: int, num_tokens: int, decode_only: bool) -> None:
+        """One engine step's line: its start on the server's clock (``start_s``, as a request's ``origin_s``),
+        its size (sequences with news, tokens run; ``decode``: no prompt tokens in it), and its phases in ms."""
+        if not self.enabled:
+            return
+        phases = {name: round(1000 * seconds, 3) for name, seconds in clock.phases.items()}
+        self._write_line(json.dumps({"step": step, "start_s": round(clock.started, 6), "seqs": num_seqs,
+                                     "tokens": num_tokens, "decode": decode_only, "phases_ms": phases}))
+
+    def _write_line(self, line: str) -> None:
         with self._lock:
             if self.path == "-":
                 print(line, file=sys.stderr, flush=True)
@@ -137,10 +173,20 @@ NO_TRACE = Tracer(None)
 def add_trace_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", nargs="?", const="-", default=None, metavar="FILE",
                         help="write each request's spans (queued, tokenize, prefill, decode, detokenize, send) "
-                             "as one JSON line, to stderr or appended to FILE")
+                             "as one JSON line, to stderr or appended to FILE (from stage 04, also each "
+                             "engine step's phases)")
 
 
 def read_traces(source: str | Path | TextIO) -> list[dict[str, Any]]:
-    """The traces in a file (or a log that has other lines too: only the trace lines are read)."""
+    """The requests' traces in a file (or a log that has other lines too: only the trace lines are read)."""
+    return _read_lines(source, '{"request_id"')
+
+
+def read_step_traces(source: str | Path | TextIO) -> list[dict[str, Any]]:
+    """The engine steps' lines in a file (``Tracer.write_step``), in the order they were written."""
+    return _read_lines(source, '{"step"')
+
+
+def _read_lines(source: str | Path | TextIO, start: str) -> list[dict[str, Any]]:
     text = source.read() if hasattr(source, "read") else Path(source).read_text()  # type: ignore[union-attr]
-    return [json.loads(line) for line in text.splitlines() if line.startswith('{"request_id"')]
+    return [json.loads(line) for line in text.splitlines() if line.startswith(start)]

@@ -311,7 +311,8 @@ def serve_stage(folder: str, engine, limits: Limits | None = None, tracer: Trace
     """A FastAPI stage (02 on) serving ``engine`` on a free port; ``server.engine`` is its AsyncEngine."""
     from .servers import start_fastapi
 
-    async_engine = stage(folder, "async_engine").AsyncEngine(engine)
+    steps_traced = {"tracer": tracer} if folder >= "04" else {}  # a batching stage traces its steps too
+    async_engine = stage(folder, "async_engine").AsyncEngine(engine, **steps_traced)
     app = stage(folder, "server").create_app(async_engine, "smollm2-135m-instruct", limits, tracer)
     with start_fastapi(app) as server:
         server.engine = async_engine

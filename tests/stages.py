@@ -104,7 +104,8 @@ TABLE = course(
     Stage("04_continuous_batching", adds={"batching"},
           lesson="continuous batching: a scheduler, one batch of every running sequence",
           changes={
-              "async_engine.py": ("<imports>", "AbortRequest", "AddRequest", "AsyncEngine", "InboxMessage", "Shutdown"),
+              "async_engine.py": ("<imports>", "AbortRequest", "AddRequest", "AsyncEngine", "InboxMessage", "Shutdown",
+                                  "put_all"),
               "attention.py": ("<imports>", "AttentionMetadata", "DecodeGroup", "decode_attention_reference",
                                "decode_groups", "extend_attention_reference", "gather_kv", "length_groups",
                                "paged_attention", "write_kv"),

@@ -4,6 +4,7 @@ workload that measures a prefix cache."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import shlex
@@ -51,6 +52,54 @@ def test_loadgen_streams_against_stage_02(server02):
     assert counts and 1 <= max(counts) <= 3
     # Busy seconds read before and after the level: the engine computed for part of it, never more than all.
     assert level.engine_busy is not None and 0 < level.engine_busy <= 1 and summary["engine_busy"] == level.engine_busy
+
+
+def test_loadgen_says_where_a_tokens_time_went_on_a_batching_stage(server04):
+    assert server04.wait_idle()
+    level = run_level(server04.url, stream=True, concurrency=2, num_requests=4, max_tokens=8)
+    summary = level.summary()
+    assert summary["errors"] == 0
+    # 4 requests of 8 tokens, at most 2 at a time: at least 4 * 8 / 2 steps, at most one per token and prompt.
+    assert 16 <= summary["steps"] <= 4 * 8 + 4
+    phases = summary["step_phases_ms"]
+    assert {"schedule", "prepare", "execute", "sample", "update", "detokenize", "handoff"} <= phases.keys()
+    assert all(ms >= 0 for ms in phases.values()) and phases["execute"] > 0
+    # The forward pass is most of a step on a CPU, yet not all of a token's time.
+    assert phases["execute"] == max(phases.values())
+    # The forward pass of a step that only decodes is shorter than the mean one, which has prompts in it too.
+    assert 0 < summary["decode_step_ms"] <= phases["execute"]
+    assert 0 < summary["server_share"] < 1
+    assert summary["server_share"] == pytest.approx(1 - summary["decode_step_ms"] / 1000 / summary["itl_s"]["mean"])
+
+
+def test_step_phases_from_metrics_pages():
+    def page(steps: int, execute_s: float, sample_s: float) -> str:
+        return ("# TYPE llm_step_phase_seconds histogram\n"
+                f'llm_step_phase_seconds_bucket{{le="0.1",phase="schedule"}} {steps}\n'
+                f'llm_step_phase_seconds_count{{phase="schedule"}} {steps}\n'
+                f'llm_step_phase_seconds_sum{{phase="schedule"}} {0.001 * steps}\n'
+                f'llm_step_phase_seconds_count{{phase="execute"}} {steps}\n'
+                f'llm_step_phase_seconds_sum{{phase="execute"}} {execute_s}\n'
+                f'llm_step_phase_seconds_count{{phase="sample"}} {steps}\n'
+                f'llm_step_phase_seconds_sum{{phase="sample"}} {sample_s}\n'
+                f"llm_decode_step_seconds_count {steps - 2}\n"  # two of them ran prompts
+                f"llm_decode_step_seconds_sum {execute_s - 0.2}\n")
+
+    before, after = loadgen.Counters.parse(page(10, 0.5, 0.1)), loadgen.Counters.parse(page(30, 1.5, 0.3))
+    phases = loadgen.step_phases_between(before, after)
+    assert phases.steps == 20
+    assert phases.mean_s == pytest.approx({"schedule": 0.001, "execute": 0.05, "sample": 0.01})
+    assert phases.decode_step_s == pytest.approx(1.0 / 20)  # 20 decode-only steps took 1.0 s of forward pass
+    # An ITL of 80 ms for a 50 ms forward pass: the server's own time is 30 ms of each token's 80.
+    time = loadgen.token_time(phases, {"mean": 0.08})
+    assert time["server_share"] == pytest.approx(0.375) and time["decode_step_ms"] == pytest.approx(50.0)
+    assert time["step_phases_ms"] == pytest.approx({"schedule": 1.0, "execute": 50.0, "sample": 10.0})
+    # A stage that does not count its phases (01 to 03), or a level with no step: nothing to say.
+    none = loadgen.Counters.parse("llm_engine_busy_seconds_total 4.0\n")
+    assert none.phases is None and loadgen.step_phases_between(none, none) is None
+    assert loadgen.token_time(None, {"mean": 0.08}) == {"steps": None, "step_phases_ms": None, "decode_step_ms": None,
+                                                         "server_share": None}
+    assert loadgen.token_time(loadgen.step_phases_between(after, after), None)["server_share"] is None
 
 
 def test_loadgen_without_streaming_against_stage_01(server01):
@@ -605,3 +654,73 @@ def test_peer_says_in_one_line_what_transformers_serve_lacks(capsys):
     assert capsys.readouterr().err.strip().splitlines() == [
         "error: transformers serve needs fastapi, uvicorn, not installed here: pip install fastapi uvicorn"]
     assert peer.missing_serve_modules() == []  # requirements.txt installs all it needs
+
+
+def test_peer_runs_both_servers_in_the_dtype_asked_and_files_bfloat16_apart(tmp_path, monkeypatch):
+    """--dtype reaches transformers serve, its sweep and the stage's server; the peer's default levels are 1, 4, 16,
+    64; a bfloat16 result goes to peer_bf16.json beside float32's peer.json, and says its dtype. No server starts:
+    the sweeps and the servers are stand-ins."""
+    from contextlib import nullcontext
+
+    from common import peer
+
+    monkeypatch.delenv("QUICK", raising=False)
+    args = peer.parse_args(["--stage", "4", "--dtype", "bfloat16"])
+    assert args.dtype == "bfloat16" and args.levels == peer.PEER_LEVELS == [1, 4, 16, 64]
+    assert peer.sweep_flags(args) == ["--levels", "1", "4", "16", "64"]
+    assert peer.parse_args(["--stage", "4"]).dtype == "auto"  # the stage's default: float32 on a CPU
+    assert peer.sweep_flags(peer.parse_args(["--stage", "4", "--quick"])) == ["--quick"]  # quick keeps its levels
+    assert peer.sweep_flags(peer.parse_args(["--stage", "4", "--levels", "2", "8"])) == ["--levels", "2", "8"]
+    with pytest.raises(SystemExit):
+        peer.parse_args(["--stage", "4", "--dtype", "int8"])
+
+    benched: list[argparse.Namespace] = []
+
+    def fake_run(bench_args: argparse.Namespace, process_group: bool = False) -> dict:
+        benched.append(bench_args)
+        return {"name": bench_args.name, "server_command": "python -m 04_continuous_batching --dtype bfloat16"}
+
+    monkeypatch.setattr(peer, "cb_options", lambda cli: ([], "none"))
+    monkeypatch.setattr(bench, "stage_server", lambda *a, **k: nullcontext())
+    monkeypatch.setattr(bench, "run", fake_run)
+    commands: dict[str, str] = {}
+    peer.measure_peer(args, Path("/m"), "cpu", "bfloat16", commands)
+    peer.measure_stage(args, "cpu", "bfloat16", commands)
+    assert "--dtype bfloat16" in commands["transformers_server"]
+    assert [(a.dtype, a.levels) for a in benched] == [("bfloat16", [1, 4, 16, 64])] * 2
+    assert benched[0].url and benched[1].stage == "04"
+
+    assert [peer.result_stem(d) for d in ("float32", "bfloat16", "float16")] == ["peer", "peer_bf16", "peer_fp16"]
+    monkeypatch.setattr(peer, "plot_peer", lambda result, out: Path(out))  # the figure is the first test's
+    theirs, ours = fake_result(peer.PEER_NAME, True), fake_result("04_continuous_batching", True)
+    for level in theirs["levels"] + ours["levels"]:
+        level.update(requests=8, errors=0, output_tokens=8 * 16)
+    written = {}
+    for dtype in ("float32", "bfloat16"):
+        theirs["dtype"] = ours["dtype"] = dtype
+        json_path, png_path = peer.write_peer(peer.peer_result(theirs, ours, {}, {"cpu": "test"}, {}), tmp_path)
+        written[dtype] = (json_path.name, png_path.name, json.loads(json_path.read_text())["dtype"])
+    assert written == {"float32": ("peer.json", "peer.png", "float32"),
+                       "bfloat16": ("peer_bf16.json", "peer_bf16.png", "bfloat16")}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["peer.json", "peer_bf16.json"]  # neither overwrote
+
+
+def test_machine_info_says_which_cpu_flags_bfloat16_and_int8_matmuls_need(tmp_path, monkeypatch):
+    """cpu_flags: which of avx2, avx512f, avx512_bf16, amx_bf16, amx_tile, avx512_vnni, avx_vnni the first flags line
+    of /proc/cpuinfo lists; None without the file. torch is a stand-in here: the test needs no import of it."""
+    from types import SimpleNamespace
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Test CPU\n"
+                       "flags\t\t: fpu sse avx avx2 avx512f avx512_vnni amx_tile amx_bf16 avx512_bf16\n\n"
+                       "processor\t: 1\nflags\t\t: fpu avx_vnni\n")
+    assert bench.cpu_flags(cpuinfo) == ["avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni"]
+    assert bench.cpu_flags(tmp_path / "missing") is None
+    fake_torch = SimpleNamespace(__version__="0.test", cuda=SimpleNamespace(is_available=lambda: False))
+    monkeypatch.setitem(sys.modules, "torch", fake_torch)
+    machine = bench.machine_info("cpu")
+    if Path("/proc/cpuinfo").is_file():
+        assert isinstance(machine["cpu_flags"], list) and set(machine["cpu_flags"]) <= set(bench.CPU_FLAGS)
+    else:
+        assert machine["cpu_flags"] is None
+    assert machine["torch"] == "0.test"

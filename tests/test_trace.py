@@ -6,9 +6,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
-from common.trace import RequestTrace, Tracer, read_traces
+from common.trace import RequestTrace, StepClock, Tracer, read_step_traces, read_traces
 
 from .conftest import serve_stage
 from .stages import FASTAPI_STAGES
@@ -33,13 +34,15 @@ def traced_server(request: pytest.FixtureRequest, tmp_path: Path):
     engine = request.getfixturevalue(f"engine{folder[:2]}")  # the session's engine, served with a tracer
     path = tmp_path / "traces.jsonl"
     with serve_stage(folder, engine, tracer=Tracer(str(path))) as server:
-        yield server, path
+        yield server, path, folder
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_a_traced_request_says_where_its_time_went(traced_server, stream):
-    server, path = traced_server
+    server, path, folder = traced_server
     busy_before = server.metric("llm_engine_busy_seconds_total")
+    phases_before = step_phases(server)
+    decodes_before = server.metric("llm_decode_step_seconds_count") if folder >= "04" else 0.0
     started = time.perf_counter()
     response = server.client().completions.create(model=MODEL, prompt="The capital of France is", temperature=0,
                                                   max_tokens=MAX_TOKENS, stream=stream, extra_body={"ignore_eos": True})
@@ -71,6 +74,60 @@ def test_a_traced_request_says_where_its_time_went(traced_server, stream):
     busy_s = server.metric("llm_engine_busy_seconds_total") - busy_before
     assert sum(end - start for start, end in engine_spans) / 1000 <= busy_s + 1e-3
     assert busy_s <= wall_s
+    if folder >= "04":  # a batching stage also says where each step's time went
+        check_step_phases(server, path, phases_before, decodes_before, busy_s, stream)
+
+
+STEP_PHASES = {"schedule", "prepare", "execute", "update", "detokenize", "handoff"}  # and sample, or verify (08 on)
+
+
+def step_phases(server) -> dict[str, tuple[float, float]]:
+    """Each phase's (count, seconds) from llm_step_phase_seconds on /metrics; {} on a stage without it."""
+    text = httpx.get(f"{server.url}/metrics").text
+    phases: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        if line.startswith("llm_step_phase_seconds_count{") or line.startswith("llm_step_phase_seconds_sum{"):
+            name, value = line.rsplit(" ", 1)
+            phase = name.split('phase="')[1].split('"')[0]
+            phases.setdefault(phase, [0.0, 0.0])["_sum{" in name] = float(value)
+    return {phase: (count, seconds) for phase, (count, seconds) in phases.items()}
+
+
+def check_step_phases(server, path: Path, before: dict[str, tuple[float, float]], before_decodes: float, busy_s: float,
+                      stream: bool) -> None:
+    """The request's steps (one prefill, MAX_TOKENS - 1 decodes) each wrote a line with every phase, and /metrics
+    counted the same steps; their phases add up to no more than the engine's busy time."""
+    deadline = time.monotonic() + 10  # the engine thread writes a step's line just after handing its outputs over
+    while len(steps := read_step_traces(path)) < MAX_TOKENS and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(steps) == MAX_TOKENS  # the server runs nothing else: each of its steps was this request's
+    assert [step["step"] for step in steps] == sorted(step["step"] for step in steps)
+    assert [step["decode"] for step in steps] == [False] + [True] * (MAX_TOKENS - 1)  # the prefill, then decodes
+    for step in steps:
+        assert step["seqs"] == 1 and step["tokens"] >= 1
+        assert STEP_PHASES <= step["phases_ms"].keys()
+        assert all(ms >= 0 for ms in step["phases_ms"].values())
+    after = step_phases(server)
+    counted = {phase: after[phase][0] - before.get(phase, (0, 0))[0] for phase in after}
+    assert all(counted[phase] == MAX_TOKENS for phase in STEP_PHASES)
+    assert server.metric("llm_decode_step_seconds_count") - before_decodes == MAX_TOKENS - 1
+    phase_s = sum(after[phase][1] - before.get(phase, (0, 0))[1] for phase in after)
+    assert phase_s <= busy_s + 1e-6  # busy time is the steps' phases, from the first to the last
+    traced_s = sum(sum(step["phases_ms"].values()) for step in steps) / 1000
+    assert traced_s == pytest.approx(phase_s, abs=1e-3)
+    writes = [line for line in httpx.get(f"{server.url}/metrics").text.splitlines()
+              if line.startswith("llm_stream_write_seconds_count")]
+    assert len(writes) == 1 and (float(writes[0].split()[-1]) >= MAX_TOKENS) == stream
+
+
+def test_a_step_clock_adds_up_each_phases_laps():
+    clock = StepClock()
+    for phase in ("update", "detokenize", "update", "detokenize"):
+        time.sleep(0.001)
+        clock.lap(phase)
+    assert list(clock.phases) == ["update", "detokenize"]  # in the order they first ran
+    assert all(seconds >= 0.002 for seconds in clock.phases.values())  # two laps of at least 1 ms each
+    assert sum(clock.phases.values()) == pytest.approx(clock.last - clock.started)
 
 
 def test_without_trace_nothing_is_recorded():
