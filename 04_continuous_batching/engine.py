@@ -139,7 +139,7 @@ class Engine:
         for seq in batch.seqs:
             seq.trace.add(kind, clock.started, clock.last)  # the whole step: the sequence waited for all of the batch
         return StepResult(self.scheduler.update(batch, sampled, clock), batch.num_tokens,
-                          decode_only=not batch.is_prefill)
+                          num_decoding=0 if batch.is_prefill else len(batch.seqs))
 
     def _sample(self, batch: Batch, inputs: StepInput, logits: torch.Tensor,
                 prompt_logits: torch.Tensor | None) -> list[Sampled]:

@@ -54,7 +54,7 @@ class StepResult:
 
     outputs: list[RequestOutput]
     num_tokens: int = 0  # tokens the forward pass ran (0: nothing was scheduled)
-    decode_only: bool = False  # every sequence decoded, none computed prompt tokens: a step an ITL is made of
+    num_decoding: int = 0  # sequences that decoded: each waited for this step between two of its tokens
 
 
 class SequenceStatus(Enum):

@@ -182,9 +182,9 @@ class AsyncEngine:
         if not result.num_tokens:
             return
         self.metrics.engine_busy.inc(clock.last - clock.started)  # its rate: the busy fraction
-        self.metrics.observe_step(clock.phases, result.decode_only)
+        self.metrics.observe_step(clock.phases, result.num_decoding)
         self._num_steps += 1
-        self._tracer.write_step(self._num_steps, clock, len(result.outputs), result.num_tokens, result.decode_only)
+        self._tracer.write_step(self._num_steps, clock, len(result.outputs), result.num_tokens, result.num_decoding)
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply every queued add and abort; False when asked to stop."""

@@ -183,7 +183,7 @@ class Engine:
             seq.trace.add(kind, clock.started, clock.last)
         num_tokens = batch.num_tokens  # read before update, which counts the scheduled tokens as computed
         return StepResult(self.scheduler.update(batch, sampled, clock), num_tokens,
-                          decode_only="prefill" not in kinds)
+                          num_decoding=kinds.count("decode"))
 
     def _sample(self, batch: Batch, inputs: StepInput, logits: torch.Tensor,
                 prompt_logits: torch.Tensor | None) -> list[Sampled]:

@@ -39,9 +39,9 @@ class Metrics:
                                     "prepare, execute (the forward pass), sample, update, detokenize, and handoff "
                                     "(its outputs counted and passed to the event loop).", ["phase"],
                                     buckets=PHASE_BUCKETS, registry=r)
-        self.decode_step = Histogram("llm_decode_step_seconds", "The forward pass (execute) of each step in which "
-                                     "every sequence decoded: the model's part of an inter-token latency.",
-                                     buckets=PHASE_BUCKETS, registry=r)
+        self.decode_step = Histogram("llm_decode_step_seconds", "The forward pass (execute) of each step, once for "
+                                     "each sequence that decoded in it: its mean is the model's part of an "
+                                     "inter-token latency.", buckets=PHASE_BUCKETS, registry=r)
         self.stream_write = Histogram("llm_stream_write_seconds", "Time the event loop took to write one streamed "
                                       "event out (server-sent events).", buckets=PHASE_BUCKETS, registry=r)
 
@@ -69,11 +69,12 @@ class Metrics:
         self.kv_blocks_cached.set_function(lambda: stats().kv_blocks.cached)
         self.kv_blocks_evictable.set_function(lambda: stats().kv_blocks.evictable)
 
-    def observe_step(self, phases: dict[str, float], decode_only: bool) -> None:
-        """One step's phases, in seconds (``StepClock.phases``)."""
+    def observe_step(self, phases: dict[str, float], num_decoding: int) -> None:
+        """One step's phases, in seconds (``StepClock.phases``); its forward pass once for each sequence that waited
+        for it between two of its tokens (a token-weighted mean, as the ITL's is: a step of 64 counts 64 times)."""
         for phase, seconds in phases.items():
             self.step_phase.labels(phase).observe(seconds)
-        if decode_only:
+        for _ in range(num_decoding):
             self.decode_step.observe(phases["execute"])
 
     def count(self, before: EngineStats, after: EngineStats) -> None:

@@ -240,7 +240,7 @@ class Engine:
                             if seq.draft_ids]
         num_tokens = batch.num_tokens  # read before update, which counts the scheduled tokens as computed
         return StepResult(self.scheduler.update(batch, sampled, clock), num_tokens,
-                          decode_only="prefill" not in kinds, accepted_lengths=accepted_lengths)
+                          num_decoding=kinds.count("decode"), accepted_lengths=accepted_lengths)
 
     def _propose(self, batch: Batch) -> None:
         """The sequences the scheduler reserved room for get up to that many guesses each."""

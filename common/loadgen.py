@@ -35,11 +35,12 @@ A batching stage (04 on) also counts each phase of its steps (``llm_step_phase_s
 prepare, execute, sample or verify, update, detokenize, handoff). Read before and after a level, they
 give the level's mean step, phase by phase (``step_phases_ms``), and **the server's share of a token**:
 of the mean gap between two streamed chunks (ITL: a chunk per step), the part that is not the model's
-forward pass in a step that only decodes (``llm_decode_step_seconds``): ``1 - decode step / ITL``.
-Everything else (scheduling, preparing inputs, sampling, detokenizing, handing outputs to the event
-loop, writing them out, and waiting for the GIL or the cores) is the server's own time, which a token
-should not have to pay. (A step that computes prompts is longer, and no token of the level's running
-requests waits for it alone: it is left out of "the step".)
+forward pass: ``1 - decode step / ITL``, where the decode step is the mean forward pass that a decoding
+sequence waited for between two of its tokens (``llm_decode_step_seconds``, counted once per such
+sequence: a step of 64 weighs 64 times, as it does in the ITL; a prefill that only computes prompts is
+no gap of anyone's). Everything else (scheduling, preparing inputs, sampling, detokenizing, handing
+outputs to the event loop, writing them out, and waiting for the GIL or the cores) is the server's own
+time, which a token should not have to pay.
 
 The *shared-prefix workload* (``Workload.shared_prefix``, built by ``shared_prefix``) puts the same
 long system prompt in front of every request, as real chat traffic does: every conversation with a
@@ -156,7 +157,7 @@ BUSY_METRIC = "llm_engine_busy_seconds_total"  # the course's stages (02 on): se
 PREFIX_QUERIES_METRICS = ("llm_prefix_cache_queries_total", "vllm:prefix_cache_queries_total")
 PREFIX_HITS_METRICS = ("llm_prefix_cache_hits_total", "vllm:prefix_cache_hits_total")
 PHASE_METRIC = "llm_step_phase_seconds"  # the course's batching stages (04 on): a histogram, one series per phase
-DECODE_STEP_METRIC = "llm_decode_step_seconds"  # the forward pass of the steps that only decode (04 on)
+DECODE_STEP_METRIC = "llm_decode_step_seconds"  # the forward pass each decoding sequence waited for (04 on)
 
 InFlightSource = Literal["server", "client"]
 
@@ -438,7 +439,7 @@ class Counters:
     prefix_queries: float | None = None  # prompt tokens looked up in the prefix cache
     prefix_hits: float | None = None  # of those, tokens found there
     phases: dict[str, tuple[float, float]] | None = None  # each step phase's (count, seconds) (04 on)
-    decode_steps: tuple[float, float] | None = None  # the decode-only steps' (count, forward-pass seconds) (04 on)
+    decode_steps: tuple[float, float] | None = None  # llm_decode_step_seconds' (count, seconds) (04 on)
 
     @classmethod
     def parse(cls, metrics_text: str) -> Counters:
@@ -467,8 +468,8 @@ def parse_phases(metrics_text: str) -> dict[str, tuple[float, float]] | None:
 
 @dataclass(frozen=True)
 class StepPhases:
-    """The steps a level ran: how many, the mean seconds per step of each phase, and the mean forward pass of
-    those that only decoded (None: there was none)."""
+    """The steps a level ran: how many, the mean seconds per step of each phase, and the mean forward pass a
+    decoding sequence waited for (None: no sequence decoded)."""
 
     steps: int
     mean_s: dict[str, float]

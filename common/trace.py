@@ -149,14 +149,14 @@ class Tracer:
     def write(self, trace: RequestTrace) -> None:
         self._write_line(json.dumps(trace.as_dict()))
 
-    def write_step(self, step: int, clock: StepClock, num_seqs: int, num_tokens: int, decode_only: bool) -> None:
+    def write_step(self, step: int, clock: StepClock, num_seqs: int, num_tokens: int, num_decoding: int) -> None:
         """One engine step's line: its start on the server's clock (``start_s``, as a request's ``origin_s``),
-        its size (sequences with news, tokens run; ``decode``: no prompt tokens in it), and its phases in ms."""
+        its size (sequences with news, tokens run, sequences that decoded), and its phases in milliseconds."""
         if not self.enabled:
             return
         phases = {name: round(1000 * seconds, 3) for name, seconds in clock.phases.items()}
         self._write_line(json.dumps({"step": step, "start_s": round(clock.started, 6), "seqs": num_seqs,
-                                     "tokens": num_tokens, "decode": decode_only, "phases_ms": phases}))
+                                     "tokens": num_tokens, "decoding": num_decoding, "phases_ms": phases}))
 
     def _write_line(self, line: str) -> None:
         with self._lock:

@@ -214,6 +214,14 @@ def hf(model_dir: Path):
     return model, tokenizer
 
 
+@pytest.fixture(scope="session")
+def hf_bf16(model_dir: Path):
+    """The same, in bfloat16: the reference of a stage run in bfloat16."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, local_files_only=True).eval()
+
+
 REFERENCES = Path(os.environ.get("LLM_COURSE_CACHE", Path.home() / ".cache" / "llm-course")) / "references"
 
 
@@ -253,11 +261,20 @@ def references(model_dir: Path) -> Callable[[str], References]:
 @pytest.fixture(scope="session")
 def hf_greedy(request: pytest.FixtureRequest, references):
     """hf_greedy(prompt_ids, n) -> the new token ids of ``generate(do_sample=False)``, EOS included (kept on disk)."""
-    greedy = references("greedy")
+    return greedy_reference(references("greedy"), lambda: request.getfixturevalue("hf")[0])
 
+
+@pytest.fixture(scope="session")
+def hf_greedy_bf16(request: pytest.FixtureRequest, references):
+    """``hf_greedy`` of Hugging Face's model in bfloat16."""
+    return greedy_reference(references("greedy-bfloat16"), lambda: request.getfixturevalue("hf_bf16"))
+
+
+def greedy_reference(greedy: References, load: Callable[[], torch.nn.Module]) -> Callable[[list[int], int], list[int]]:
+    """hf_greedy's answers from ``greedy`` (on disk), computed by the model ``load()`` gives where one is missing."""
     def run(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         def generate() -> list[int]:
-            model, _ = request.getfixturevalue("hf")  # loaded only when a reference is missing
+            model = load()  # loaded only when a reference is missing
             ids = torch.tensor([prompt_ids])
             with torch.inference_mode():
                 out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
@@ -272,10 +289,11 @@ def hf_greedy(request: pytest.FixtureRequest, references):
 @pytest.fixture(scope="session")
 def hf_next_logprobs(request: pytest.FixtureRequest):
     """hf_next_logprobs(ids) -> [V]: Hugging Face's log-probabilities of the token after ``ids`` (float32, CPU),
-    for the rare test that must tell a genuine near-tie from a wrong token."""
+    for the rare test that must tell a genuine near-tie from a wrong token. ``dtype=torch.bfloat16``: its model's in
+    bfloat16 (the logits made float32 before the softmax)."""
 
-    def run(ids: list[int]) -> torch.Tensor:
-        model, _ = request.getfixturevalue("hf")
+    def run(ids: list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        model = request.getfixturevalue("hf")[0] if dtype == torch.float32 else request.getfixturevalue("hf_bf16")
         with torch.inference_mode():
             return model(torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)
 

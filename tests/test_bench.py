@@ -66,8 +66,7 @@ def test_loadgen_says_where_a_tokens_time_went_on_a_batching_stage(server04):
     assert all(ms >= 0 for ms in phases.values()) and phases["execute"] > 0
     # The forward pass is most of a step on a CPU, yet not all of a token's time.
     assert phases["execute"] == max(phases.values())
-    # The forward pass of a step that only decodes is shorter than the mean one, which has prompts in it too.
-    assert 0 < summary["decode_step_ms"] <= phases["execute"]
+    assert summary["decode_step_ms"] > 0
     assert 0 < summary["server_share"] < 1
     assert summary["server_share"] == pytest.approx(1 - summary["decode_step_ms"] / 1000 / summary["itl_s"]["mean"])
 
@@ -82,14 +81,14 @@ def test_step_phases_from_metrics_pages():
                 f'llm_step_phase_seconds_sum{{phase="execute"}} {execute_s}\n'
                 f'llm_step_phase_seconds_count{{phase="sample"}} {steps}\n'
                 f'llm_step_phase_seconds_sum{{phase="sample"}} {sample_s}\n'
-                f"llm_decode_step_seconds_count {steps - 2}\n"  # two of them ran prompts
-                f"llm_decode_step_seconds_sum {execute_s - 0.2}\n")
+                f"llm_decode_step_seconds_count {4 * steps}\n"  # four sequences decoding in each
+                f"llm_decode_step_seconds_sum {4 * execute_s}\n")
 
     before, after = loadgen.Counters.parse(page(10, 0.5, 0.1)), loadgen.Counters.parse(page(30, 1.5, 0.3))
     phases = loadgen.step_phases_between(before, after)
     assert phases.steps == 20
     assert phases.mean_s == pytest.approx({"schedule": 0.001, "execute": 0.05, "sample": 0.01})
-    assert phases.decode_step_s == pytest.approx(1.0 / 20)  # 20 decode-only steps took 1.0 s of forward pass
+    assert phases.decode_step_s == pytest.approx(0.05)  # 80 tokens waited for 4.0 s of forward passes in all
     # An ITL of 80 ms for a 50 ms forward pass: the server's own time is 30 ms of each token's 80.
     time = loadgen.token_time(phases, {"mean": 0.08})
     assert time["server_share"] == pytest.approx(0.375) and time["decode_step_ms"] == pytest.approx(50.0)

@@ -102,7 +102,7 @@ def check_step_phases(server, path: Path, before: dict[str, tuple[float, float]]
         time.sleep(0.02)
     assert len(steps) == MAX_TOKENS  # the server runs nothing else: each of its steps was this request's
     assert [step["step"] for step in steps] == sorted(step["step"] for step in steps)
-    assert [step["decode"] for step in steps] == [False] + [True] * (MAX_TOKENS - 1)  # the prefill, then decodes
+    assert [step["decoding"] for step in steps] == [0] + [1] * (MAX_TOKENS - 1)  # the prefill, then decodes
     for step in steps:
         assert step["seqs"] == 1 and step["tokens"] >= 1
         assert STEP_PHASES <= step["phases_ms"].keys()
