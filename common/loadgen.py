@@ -34,13 +34,19 @@ a CPU server has to a GPU-utilization panel.
 A batching stage (04 on) also counts each phase of its steps (``llm_step_phase_seconds``: schedule,
 prepare, execute, sample or verify, update, detokenize, handoff). Read before and after a level, they
 give the level's mean step, phase by phase (``step_phases_ms``), and **the server's share of a token**:
-of the mean gap between two streamed chunks (ITL: a chunk per step), the part that is not the model's
-forward pass: ``1 - decode step / ITL``, where the decode step is the mean forward pass that a decoding
-sequence waited for between two of its tokens (``llm_decode_step_seconds``, counted once per such
-sequence: a step of 64 weighs 64 times, as it does in the ITL; a prefill that only computes prompts is
-no gap of anyone's). Everything else (scheduling, preparing inputs, sampling, detokenizing, handing
-outputs to the event loop, writing them out, and waiting for the GIL or the cores) is the server's own
-time, which a token should not have to pay.
+of the mean gap between two of a request's tokens, the part that is not the model's forward pass,
+``1 - decode step / ITL``. The decode step is the mean forward pass that a decoding sequence waited for
+between two of its tokens (``llm_decode_step_seconds``, counted once per such sequence: a step of 64
+weighs 64 times, as it does in the ITL; a prefill that only computes prompts is no gap of anyone's).
+Everything else (scheduling, preparing inputs, sampling, detokenizing, handing outputs over, waiting for
+the GIL or the cores) is the server's own time, which a token should not have to pay.
+
+Two ITLs give two shares. ``server_share`` divides by the ITL the server measures itself, as it hands
+each token over (``llm_inter_token_latency_seconds``). ``client_share`` divides by the ITL this client
+saw, which adds the way to the client: the event loop writing the chunk, the network, the client's own
+parsing, and the gap of a step whose chunk carried no text (held back, sent with the next one). When the
+load generator runs on the server's machine, as on a laptop, it also takes CPU from the server, and that
+shows here.
 
 The *shared-prefix workload* (``Workload.shared_prefix``, built by ``shared_prefix``) puts the same
 long system prompt in front of every request, as real chat traffic does: every conversation with a
@@ -158,6 +164,7 @@ PREFIX_QUERIES_METRICS = ("llm_prefix_cache_queries_total", "vllm:prefix_cache_q
 PREFIX_HITS_METRICS = ("llm_prefix_cache_hits_total", "vllm:prefix_cache_hits_total")
 PHASE_METRIC = "llm_step_phase_seconds"  # the course's batching stages (04 on): a histogram, one series per phase
 DECODE_STEP_METRIC = "llm_decode_step_seconds"  # the forward pass each decoding sequence waited for (04 on)
+SERVER_ITL_METRIC = "llm_inter_token_latency_seconds"  # the course's stages (02 on): ITL as the server hands over
 
 InFlightSource = Literal["server", "client"]
 
@@ -296,16 +303,21 @@ class LevelResult:
 
 
 def token_time(phases: StepPhases | None, itl: dict[str, float] | None) -> dict[str, Any]:
-    """Where a token's time went: the level's mean step phase by phase, in ms, and the server's share of the
-    mean ITL (None where the server does not count its phases, or nothing streamed)."""
+    """Where a token's time went: the level's mean step phase by phase, in ms, the server's own mean ITL, and the
+    share of a token that is not the model's, against the server's ITL and against the client's (None where the
+    server does not count its phases, or nothing streamed)."""
     if phases is None or not phases.steps:
-        return {"steps": None, "step_phases_ms": None, "decode_step_ms": None, "server_share": None}
-    share = None
-    if itl is not None and itl["mean"] > 0 and phases.decode_step_s is not None:
-        share = 1 - phases.decode_step_s / itl["mean"]
+        return {"steps": None, "step_phases_ms": None, "decode_step_ms": None, "server_itl_ms": None,
+                "server_share": None, "client_share": None}
+    step = phases.decode_step_s
+
+    def share(itl_s: float | None) -> float | None:
+        return None if step is None or not itl_s else 1 - step / itl_s
+
     return {"steps": phases.steps, "step_phases_ms": {name: 1000 * s for name, s in phases.mean_s.items()},
-            "decode_step_ms": None if phases.decode_step_s is None else 1000 * phases.decode_step_s,
-            "server_share": share}
+            "decode_step_ms": None if step is None else 1000 * step,
+            "server_itl_ms": None if phases.server_itl_s is None else 1000 * phases.server_itl_s,
+            "server_share": share(phases.server_itl_s), "client_share": share(itl["mean"] if itl else None)}
 
 
 # --- one request -------------------------------------------------------------------------------
@@ -440,13 +452,15 @@ class Counters:
     prefix_hits: float | None = None  # of those, tokens found there
     phases: dict[str, tuple[float, float]] | None = None  # each step phase's (count, seconds) (04 on)
     decode_steps: tuple[float, float] | None = None  # llm_decode_step_seconds' (count, seconds) (04 on)
+    server_itl: tuple[float, float] | None = None  # llm_inter_token_latency_seconds' (count, seconds) (02 on)
 
     @classmethod
     def parse(cls, metrics_text: str) -> Counters:
         return cls(busy_s=sum_series(metrics_text, (BUSY_METRIC,)),
                    prefix_queries=sum_series(metrics_text, PREFIX_QUERIES_METRICS),
                    prefix_hits=sum_series(metrics_text, PREFIX_HITS_METRICS),
-                   phases=parse_phases(metrics_text), decode_steps=parse_count_sum(metrics_text, DECODE_STEP_METRIC))
+                   phases=parse_phases(metrics_text), decode_steps=parse_count_sum(metrics_text, DECODE_STEP_METRIC),
+                   server_itl=parse_count_sum(metrics_text, SERVER_ITL_METRIC))
 
 
 def parse_count_sum(metrics_text: str, histogram: str) -> tuple[float, float] | None:
@@ -468,12 +482,13 @@ def parse_phases(metrics_text: str) -> dict[str, tuple[float, float]] | None:
 
 @dataclass(frozen=True)
 class StepPhases:
-    """The steps a level ran: how many, the mean seconds per step of each phase, and the mean forward pass a
-    decoding sequence waited for (None: no sequence decoded)."""
+    """The steps a level ran: how many, the mean seconds per step of each phase, the mean forward pass a
+    decoding sequence waited for, and the server's mean ITL (None: no sequence decoded)."""
 
     steps: int
     mean_s: dict[str, float]
     decode_step_s: float | None = None
+    server_itl_s: float | None = None
 
 
 def step_phases_between(before: Counters, after: Counters) -> StepPhases | None:
@@ -484,11 +499,16 @@ def step_phases_between(before: Counters, after: Counters) -> StepPhases | None:
     steps = round(end.get("schedule", (0, 0))[0] - start.get("schedule", (0, 0))[0])
     if steps <= 0:
         return StepPhases(0, {})
-    decode_count, decode_s = (a - b for a, b in zip(after.decode_steps or (0, 0.0), before.decode_steps or (0, 0.0),
-                                                    strict=True))
     return StepPhases(steps, {phase: (seconds - start.get(phase, (0, 0.0))[1]) / steps
                               for phase, (_, seconds) in end.items()},
-                      decode_s / decode_count if decode_count > 0 else None)
+                      mean_between(before.decode_steps, after.decode_steps),
+                      mean_between(before.server_itl, after.server_itl))
+
+
+def mean_between(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
+    """The mean of what a histogram recorded between two (count, sum) readings; None if nothing."""
+    count, total = (a - b for a, b in zip(after or (0, 0.0), before or (0, 0.0), strict=True))
+    return total / count if count > 0 else None
 
 
 async def server_counters(client: httpx.AsyncClient) -> Counters:
@@ -626,6 +646,7 @@ def format_summary(s: dict[str, Any]) -> str:
             + ("" if s.get("prefix_cache_hit_rate") is None
                else f"prefix cache hits {100 * s['prefix_cache_hit_rate']:3.0f}%, ")
             + ("" if s.get("server_share") is None else f"server's share of a token {100 * s['server_share']:3.0f}%, ")
+            + ("" if s.get("client_share") is None else f"as the client sees it {100 * s['client_share']:3.0f}%, ")
             + f"errors {s['errors']}")
 
 

@@ -237,22 +237,25 @@ def plot_traces(ax: Axes, traces: list[dict[str, Any]], title: str) -> None:
     ax.grid(True, axis="x", alpha=0.3)
 
 
-# The phases of a step (common/trace.py's StepClock), and what is left of a token's time outside the step.
+# The phases of a step (common/trace.py's StepClock), what is left of the server's ITL outside the step, and what
+# the client waited beyond the server.
 PHASE_COLORS = {"decode step": "tab:blue", "schedule": "tab:olive", "propose": "tab:cyan", "prepare": "tab:orange",
                 "sample": "tab:green", "verify": "tab:green", "update": "tab:purple", "detokenize": "tab:pink",
-                "handoff": "tab:brown", "outside the step": "tab:gray"}
+                "handoff": "tab:brown", "outside the step": "tab:gray", "to the client": "lightgray"}
 
 
 def token_time_parts(level: Level) -> dict[str, float]:
-    """A level's mean time between two tokens (ITL), in ms, cut into parts: the forward pass of a decode step, each
-    other phase of a mean step, and what is left outside the engine's step (the event loop writing events, the
-    threads waiting for each other). Empty for a level without phases (stages 01 to 03)."""
+    """A level's mean time between two tokens, in ms, cut into parts: the forward pass of a decode step, each other
+    phase of a mean step, what is left of the server's own ITL outside the engine's step (the thread's loop, waiting
+    for the GIL), and what the client waited beyond the server's ITL (the chunk written out, the network, the
+    client's parsing). Empty for a level without phases (stages 01 to 03)."""
     phases, itl = level.get("step_phases_ms"), level.get("itl_s")
-    if not phases or level.get("decode_step_ms") is None or itl is None:
+    if not phases or level.get("decode_step_ms") is None or level.get("server_itl_ms") is None or itl is None:
         return {}
     parts = {"decode step": level["decode_step_ms"]}
     parts |= {name: ms for name, ms in phases.items() if name != "execute"}
-    parts["outside the step"] = max(0.0, 1000 * itl["mean"] - sum(parts.values()))
+    parts["outside the step"] = max(0.0, level["server_itl_ms"] - sum(parts.values()))
+    parts["to the client"] = max(0.0, 1000 * itl["mean"] - sum(parts.values()))
     return parts
 
 
@@ -269,8 +272,10 @@ def plot_token_time(ax: Axes, results: Sequence[Result], concurrencies: Sequence
         for name, ms in parts.items():
             ax.bar(i, ms, bottom=bottom, color=PHASE_COLORS.get(name, "black"), width=0.6)
             bottom += ms
-        share = 100 * (1 - parts["decode step"] / bottom)
-        ax.text(i, bottom, f"{bottom:.0f} ms\nserver {share:.0f}%", ha="center", va="bottom", fontsize=8)
+        server = bottom - parts["to the client"]
+        ax.text(i, bottom, f"{bottom:.0f} ms\nnot the model:\n{100 * (1 - parts['decode step'] / server):.0f}% at the "
+                f"server,\n{100 * (1 - parts['decode step'] / bottom):.0f}% at the client", ha="center", va="bottom",
+                fontsize=7)
     ax.set_xticks(range(len(labels)), labels, fontsize=8)
     ax.set_ylabel("ms between two tokens (mean ITL)")
     ax.set_title("Where a token's time goes: the model's decode step, and the server's own time")

@@ -67,8 +67,11 @@ def test_loadgen_says_where_a_tokens_time_went_on_a_batching_stage(server04):
     # The forward pass is most of a step on a CPU, yet not all of a token's time.
     assert phases["execute"] == max(phases.values())
     assert summary["decode_step_ms"] > 0
-    assert 0 < summary["server_share"] < 1
-    assert summary["server_share"] == pytest.approx(1 - summary["decode_step_ms"] / 1000 / summary["itl_s"]["mean"])
+    assert 0 < summary["server_share"] < 1 and 0 < summary["client_share"] < 1
+    assert summary["server_share"] == pytest.approx(1 - summary["decode_step_ms"] / summary["server_itl_ms"])
+    assert summary["client_share"] == pytest.approx(1 - summary["decode_step_ms"] / 1000 / summary["itl_s"]["mean"])
+    # The client's ITL adds the way to it (the chunk written out, the network, its parsing) to the server's.
+    assert summary["server_itl_ms"] <= 1000 * summary["itl_s"]["mean"] * 1.05
 
 
 def test_step_phases_from_metrics_pages():
@@ -82,22 +85,27 @@ def test_step_phases_from_metrics_pages():
                 f'llm_step_phase_seconds_count{{phase="sample"}} {steps}\n'
                 f'llm_step_phase_seconds_sum{{phase="sample"}} {sample_s}\n'
                 f"llm_decode_step_seconds_count {4 * steps}\n"  # four sequences decoding in each
-                f"llm_decode_step_seconds_sum {4 * execute_s}\n")
+                f"llm_decode_step_seconds_sum {4 * execute_s}\n"
+                f"llm_inter_token_latency_seconds_count {4 * steps}\n"  # and a token each from it
+                f"llm_inter_token_latency_seconds_sum {4 * (execute_s + sample_s)}\n")
 
     before, after = loadgen.Counters.parse(page(10, 0.5, 0.1)), loadgen.Counters.parse(page(30, 1.5, 0.3))
     phases = loadgen.step_phases_between(before, after)
     assert phases.steps == 20
     assert phases.mean_s == pytest.approx({"schedule": 0.001, "execute": 0.05, "sample": 0.01})
     assert phases.decode_step_s == pytest.approx(0.05)  # 80 tokens waited for 4.0 s of forward passes in all
-    # An ITL of 80 ms for a 50 ms forward pass: the server's own time is 30 ms of each token's 80.
+    # The server gave each token 60 ms after the one before, for a 50 ms forward pass: its own time is a sixth. The
+    # client saw 80 ms (the extra 20 is the way to it): 30 ms of each token's 80 were not the model's.
     time = loadgen.token_time(phases, {"mean": 0.08})
-    assert time["server_share"] == pytest.approx(0.375) and time["decode_step_ms"] == pytest.approx(50.0)
+    assert time["server_itl_ms"] == pytest.approx(60.0) and time["decode_step_ms"] == pytest.approx(50.0)
+    assert time["server_share"] == pytest.approx(1 / 6) and time["client_share"] == pytest.approx(0.375)
     assert time["step_phases_ms"] == pytest.approx({"schedule": 1.0, "execute": 50.0, "sample": 10.0})
     # A stage that does not count its phases (01 to 03), or a level with no step: nothing to say.
     none = loadgen.Counters.parse("llm_engine_busy_seconds_total 4.0\n")
     assert none.phases is None and loadgen.step_phases_between(none, none) is None
     assert loadgen.token_time(None, {"mean": 0.08}) == {"steps": None, "step_phases_ms": None, "decode_step_ms": None,
-                                                         "server_share": None}
+                                                         "server_itl_ms": None, "server_share": None,
+                                                         "client_share": None}
     assert loadgen.token_time(loadgen.step_phases_between(after, after), None)["server_share"] is None
 
 
