@@ -348,3 +348,29 @@ def test_a_folder_without_weights_is_a_clear_error(lib, tiny_folder, tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
     with pytest.raises(FileNotFoundError, match=r"has no \*\.safetensors file"):
         lib.model.LlamaForCausalLM.from_pretrained(tmp_path, torch.float32, CPU)
+
+
+# --- matmul.py: the linear layer's CPU paths (one file, the same from stage 03 on) ---------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 3, 15, 16, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_linear_computes_f_linear_by_whichever_path_it_takes(monkeypatch, rows, dtype):
+    """Few float32 rows take the transposed product, many bfloat16 rows on a CPU without bfloat16 instructions the
+    float32 product block by block (forced here, whatever this CPU has): each gives F.linear's answer in float32,
+    to the last bits of its dtype."""
+    matmul = stage("03_paged_kv", "matmul")
+    monkeypatch.setattr(matmul, "NATIVE_BFLOAT16", False)
+    monkeypatch.setattr(matmul, "UPCAST_BLOCK", 7)  # several blocks, the last one short
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 24, generator=generator).to(dtype)
+    weight, bias = torch.randn(30, 24, generator=generator).to(dtype), torch.randn(30, generator=generator).to(dtype)
+    exact = torch.nn.functional.linear(x.float(), weight.float(), bias.float())  # [rows, 30]
+    for b in (bias, None):
+        out = matmul.linear(x, weight, b)
+        assert out.shape == (rows, 30) and out.dtype == dtype
+        want = exact if b is not None else exact - bias.float()
+        torch.testing.assert_close(out.float(), want.to(dtype).float(), **({} if dtype == torch.float32 else
+                                                                         {"atol": 0.05, "rtol": 0.01}))
+    if dtype == torch.bfloat16 and rows >= matmul.UPCAST_ROWS:  # the float32 product, rounded once: as exact as it gets
+        torch.testing.assert_close(matmul.linear(x, weight, bias), exact.to(dtype), atol=0, rtol=0)
