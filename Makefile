@@ -89,7 +89,8 @@ soak: install
 # (default 1 4 16 64; with QUICK=1, the quick sweep's).
 .PHONY: peer
 peer: install
-	$(PY) -m common.peer --stage $(STAGE) $(if $(filter 1,$(QUICK)),--quick) $(if $(DTYPE),--dtype $(DTYPE)) \
+	$(PY) -m common.peer $(if $(filter command line environment,$(origin STAGE)),--stage $(STAGE)) \
+		$(if $(filter 1,$(QUICK)),--quick) $(if $(DTYPE),--dtype $(DTYPE)) \
 		$(if $(LEVELS),--levels $(LEVELS))
 
 # Stage 06's workload: chat streams decoding while long prompts arrive; stage 05, then 06 at each budget.

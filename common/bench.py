@@ -502,10 +502,13 @@ def rescore_files(paths: list[Path], slo: Slo, share: float, compare: list[Path]
         print(f"Wrote {plot_rates(rescored, paths[0].parent / 'rates.png')}")
 
 
-def shared_prefix_tokens_of(path: Path) -> int:
+def shared_prefix_tokens_of(path: Path) -> int | None:
     """The shared-prefix length a result file was measured with (0: the standard workload, or a file
-    written before the option existed)."""
-    return json.loads(path.read_text())["workload"].get("shared_prefix_tokens", 0)
+    written before the option existed); None for a file that is no sweep (a stage's step timings, say)."""
+    result = json.loads(path.read_text())
+    if "workload" not in result or "levels" not in result:
+        return None
+    return result["workload"].get("shared_prefix_tokens", 0)
 
 
 def previous_stage_result(out_dir: Path, stage: str | None, shared_prefix_tokens: int = 0,

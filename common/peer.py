@@ -67,8 +67,11 @@ OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1", "HF_HU
 
 
 def latest_stage() -> str:
-    """The highest stage folder's number, e.g. '09'."""
-    folders = sorted(p.parent.name for p in bench.REPO.glob("[0-9][0-9]_*/__main__.py"))
+    """The highest stage that is one server, e.g. '09': transformers serve is one process, and the gateway's stage (a
+    Ray fleet of replicas, each the engine of the stage before it) is measured against its own single replica by its
+    own benchmarks."""
+    folders = sorted(p.parent.name for p in bench.REPO.glob("[0-9][0-9]_*/__main__.py")
+                     if not (p.parent / "gateway.py").exists())
     return folders[-1][:2]
 
 

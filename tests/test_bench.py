@@ -343,6 +343,9 @@ def test_shared_prefix_results_have_their_own_name_and_comparison(tmp_path):
     assert [p.name for p in bench.previous_stage_result(tmp_path, "05", 1000)] == [
         "04_continuous_batching_shared_prefix.json"]
     assert bench.previous_stage_result(tmp_path, "05", 2000) == []
+    # A stage's other results (its step timings, say) are no sweep to compare with: passed over, not a crash.
+    (tmp_path / "04_continuous_batching_decode_steps.json").write_text(json.dumps({"steps": []}))
+    assert [p.name for p in bench.previous_stage_result(tmp_path, "05")] == ["04_continuous_batching.json"]
 
 
 def test_bench_shared_prefix_against_a_running_server_by_url(server02, tmp_path):
