@@ -506,7 +506,7 @@ def shared_prefix_tokens_of(path: Path) -> int | None:
     """The shared-prefix length a result file was measured with (0: the standard workload, or a file
     written before the option existed); None for a file that is no sweep (a stage's step timings, say)."""
     result = json.loads(path.read_text())
-    if "workload" not in result or "levels" not in result:
+    if "workload" not in result or not ("levels" in result or "rates" in result):
         return None
     return result["workload"].get("shared_prefix_tokens", 0)
 
