@@ -36,7 +36,8 @@ from torch import nn
 SKINNY_ROWS = 16  # fewer rows than this: the transposed product (measured above)
 UPCAST_ROWS = 16  # bfloat16 on a CPU without its instructions: this many rows or more, computed in float32
 UPCAST_BLOCK = 4096  # weight rows converted to float32 at a time: 9 MB for the course model's 576 columns
-NATIVE_BFLOAT16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()  # oneDNN's bfloat16 kernels run on this CPU
+# oneDNN's bfloat16 kernels run on this CPU (a build without oneDNN has none: PyTorch's generic kernel, as here)
+NATIVE_BFLOAT16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

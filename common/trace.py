@@ -18,7 +18,8 @@ that forward pass with the rest of the batch, and waited for all of it. A preemp
 
 A batching stage also writes one line per engine step, ``{"step": ...}``: where that step's time went,
 phase by phase (``StepClock``: schedule, prepare, execute, sample, update, detokenize, and the
-hand-off of its outputs to the event loop), the same phases its /metrics counts in
+hand-off of its outputs to the event loop; from stage 08, propose, and verify for sample), the same
+phases its /metrics counts in
 ``llm_step_phase_seconds``. ``read_traces`` reads the requests' lines, ``read_step_traces`` the steps'.
 """
 
