@@ -22,9 +22,10 @@ blocks it must really allocate count against the pool, and only the tokens it mu
 against the step's token budget. A preempted sequence is looked up the same way, and finds what is
 left of its own blocks.
 
-After the step, ``update`` appends each sequence's new token and finishes those that are done: the
-scheduler is the only one that changes a sequence, so the engine's step reads as a pipeline
-(schedule, prepare, execute, sample, update).
+After the step, ``update`` hands each sequence's new token to the output processor
+(``output_processor.py``: its text, and whether it ends the sequence), appends it, and finishes the
+sequences that ended: the scheduler is the only one that changes a sequence, so the engine's step
+reads as a pipeline (schedule, prepare, execute, sample, update).
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ from dataclasses import dataclass
 from common.trace import StepClock
 
 from .block_manager import BlockManager
+from .output_processor import OutputProcessor
 from .sampler import TokenLogprobs
-from .sequence import FinishReason, RequestOutput, Sequence, SequenceStatus
+from .sequence import RequestOutput, Sequence, SequenceStatus
 
 
 @dataclass
@@ -70,7 +72,7 @@ class Scheduler:
                  eos_token_ids: set[int]) -> None:
         assert max_num_seqs >= 1 and max_num_batched_tokens >= 1
         self.block_manager = block_manager
-        self.eos_token_ids = eos_token_ids
+        self.output_processor = OutputProcessor(eos_token_ids)  # each step's text, and who it ends
         self.max_num_seqs = max_num_seqs  # the largest decode batch
         self.max_num_batched_tokens = max_num_batched_tokens  # the most prompt tokens one prefill step runs
         self.waiting: deque[Sequence] = deque()
@@ -177,10 +179,11 @@ class Scheduler:
     def update(self, batch: Batch, sampled: list[Sampled], clock: StepClock | None = None) -> list[RequestOutput]:
         """The step has run: every sequence of ``batch`` has all its tokens in the cache, and ``sampled[i]`` is
         what was chosen for ``batch.seqs[i]``. Index the blocks the step filled, start the other samples of a
-        request whose prompt is now cached, append each new token, decide whether the sequence is done (and
-        free it), and return every sequence's output. A failure in one sequence's own work (its text, its stop
-        strings) fails that sequence alone. ``clock`` times the bookkeeping (``update``) apart from ``_append``,
-        which is mostly the detokenizer's work (``detokenize``)."""
+        request whose prompt is now cached, hand each new token to the output processor (its text, whether the
+        sequence ends), append it, finish the sequences that ended (freeing their blocks), and return every
+        sequence's output. A failure in one sequence's own work (its text, its stop strings) fails that sequence
+        alone. ``clock`` times the bookkeeping (``update``) apart from ``_append``, which is mostly the output
+        processor's (``detokenize``)."""
         clock = clock or StepClock()
         outputs, block_size = [], self.block_manager.block_size
         for seq, news in zip(batch.seqs, sampled, strict=True):
@@ -207,30 +210,13 @@ class Scheduler:
         seq.forks = []
 
     def _append(self, seq: Sequence, news: Sampled) -> RequestOutput:
-        """Add a sampled token to its sequence, decide whether the sequence is done, and free it if so. The
-        detokenizer runs here, not after: a stop string in the new text ends the sequence like EOS does."""
-        (token_id,), (logprobs,) = news.token_ids, news.logprobs
-        if seq.params.max_tokens == 0:  # only the prompt was to be scored (echo): the token is not used
-            self._finish(seq)
-            return RequestOutput(seq.request_id, [], "", "length", len(seq.prompt_ids), 0, [], news.prompt_logprobs,
-                                 cached_tokens=seq.num_cached_tokens)
-        finish_reason: FinishReason | None = None
-        ### BEGIN SOLUTION 4.4
-        seq.output_ids.append(token_id)
-        if token_id in self.eos_token_ids and not seq.params.ignore_eos:
-            text, finish_reason = seq.detokenizer.flush(), "stop"
-        else:
-            text = seq.detokenizer.add(token_id)
-            if seq.detokenizer.stopped:
-                finish_reason = "stop"
-            elif len(seq.output_ids) == seq.params.max_tokens:
-                text, finish_reason = text + seq.detokenizer.flush(), "length"
-        if finish_reason is not None:
+        """Add a sampled token to its sequence, and finish the sequence (freeing its blocks) if its output says it
+        ended. The output processor reads the token first: a stop string in its text ends the sequence as EOS does."""
+        output = self.output_processor.process(seq, news.token_ids, news.logprobs, news.prompt_logprobs)
+        seq.output_ids += output.token_ids
+        if output.finished:
             self._finish(seq)  # leaves the batch and frees its blocks at once
-        ### END SOLUTION
-        return RequestOutput(seq.request_id, [token_id], text, finish_reason, len(seq.prompt_ids),
-                             len(seq.output_ids), None if logprobs is None else [logprobs], news.prompt_logprobs,
-                             cached_tokens=seq.num_cached_tokens, index=seq.index)
+        return output
 
     # --- leaving ----------------------------------------------------------------------------
     def fail(self, seq: Sequence, error: Exception) -> RequestOutput:

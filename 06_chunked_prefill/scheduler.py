@@ -27,9 +27,10 @@ blocks and goes back to the front of the waiting queue, to be recomputed when bl
 Admission first looks the sequence up in the prefix cache: the blocks of its longest cached prefix
 are shared, and its first chunk starts after them.
 
-After the step, ``update`` counts each sequence's computed tokens, appends its new token and finishes
-those that are done: the scheduler is the only one that changes a sequence, so the engine's step reads
-as a pipeline (schedule, prepare, execute, sample, update).
+After the step, ``update`` counts each sequence's computed tokens, hands its new token to the output
+processor (``output_processor.py``: its text, and whether it ends the sequence), appends it, and
+finishes the sequences that ended: the scheduler is the only one that changes a sequence, so the
+engine's step reads as a pipeline (schedule, prepare, execute, sample, update).
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ from dataclasses import dataclass
 from common.trace import StepClock
 
 from .block_manager import BlockManager
+from .output_processor import OutputProcessor
 from .sampler import TokenLogprobs
-from .sequence import FinishReason, RequestOutput, Sequence, SequenceStatus
+from .sequence import RequestOutput, Sequence, SequenceStatus
 
 
 @dataclass
@@ -75,7 +77,7 @@ class Scheduler:
         assert max_num_batched_tokens >= max_num_seqs, "every running sequence decodes in every step: the budget " \
             f"({max_num_batched_tokens} tokens) must cover max_num_seqs ({max_num_seqs})"
         self.block_manager = block_manager
-        self.eos_token_ids = eos_token_ids
+        self.output_processor = OutputProcessor(eos_token_ids)  # each step's text, and who it ends
         self.max_num_seqs = max_num_seqs  # the most sequences running at once
         self.max_num_batched_tokens = max_num_batched_tokens  # the step's token budget: decodes and prompt chunks
         self.waiting: deque[Sequence] = deque()
@@ -228,10 +230,11 @@ class Scheduler:
         """The step has run: every sequence of ``batch`` has this step's tokens in the cache, and ``sampled[i]`` is
         what was chosen for ``batch.seqs[i]`` (nothing for a chunk that ends part-way through its prompt). Count
         the computed tokens, index the blocks they filled, start the other samples of a request whose prompt is
-        now cached, append each new token, decide whether the sequence is done (and free it), and return the
-        output of every sequence that has news. A failure in one sequence's own work (its text, its stop
-        strings) fails that sequence alone. ``clock`` times the bookkeeping (``update``) apart from ``_append``,
-        which is mostly the detokenizer's work (``detokenize``)."""
+        now cached, have the output processor read each new token (its text, whether the sequence ends), append
+        it, finish the sequences that ended (freeing their blocks), and return the output of every sequence that
+        has news. A failure in one sequence's own work (its text, its stop strings) fails that sequence alone.
+        ``clock`` times the bookkeeping (``update``) apart from ``_append``, which is mostly the output processor's
+        (``detokenize``)."""
         clock = clock or StepClock()
         outputs = []
         for seq, news in zip(batch.seqs, sampled, strict=True):
@@ -271,32 +274,15 @@ class Scheduler:
         seq.forks = []
 
     def _append(self, seq: Sequence, news: Sampled) -> RequestOutput:
-        """Add a sampled token to its sequence, decide whether the sequence is done, and free it if so. The
-        detokenizer runs here, not after: a stop string in the new text ends the sequence like EOS does."""
-        (token_id,), (logprobs,) = news.token_ids, news.logprobs
+        """Add a sampled token to its sequence, and finish the sequence (freeing its blocks) if its output says it
+        ended. The output processor reads the token first: a stop string in its text ends the sequence as EOS does."""
         # The first token comes with the prompt's logprobs, if the request asked (echo), scored over its chunks.
         prompt_logprobs = seq.prompt_logprobs if seq.params.prompt_logprobs is not None and not seq.output_ids else None
-        if seq.params.max_tokens == 0:  # only the prompt was to be scored (echo): the token is not used
-            self._finish(seq)
-            return RequestOutput(seq.request_id, [], "", "length", len(seq.prompt_ids), 0, [], prompt_logprobs,
-                                 cached_tokens=seq.num_cached_tokens)
-        finish_reason: FinishReason | None = None
-        ### BEGIN SOLUTION 4.4
-        seq.output_ids.append(token_id)
-        if token_id in self.eos_token_ids and not seq.params.ignore_eos:
-            text, finish_reason = seq.detokenizer.flush(), "stop"
-        else:
-            text = seq.detokenizer.add(token_id)
-            if seq.detokenizer.stopped:
-                finish_reason = "stop"
-            elif len(seq.output_ids) == seq.params.max_tokens:
-                text, finish_reason = text + seq.detokenizer.flush(), "length"
-        if finish_reason is not None:
+        output = self.output_processor.process(seq, news.token_ids, news.logprobs, prompt_logprobs)
+        seq.output_ids += output.token_ids
+        if output.finished:
             self._finish(seq)  # leaves the batch and frees its blocks at once
-        ### END SOLUTION
-        return RequestOutput(seq.request_id, [token_id], text, finish_reason, len(seq.prompt_ids),
-                             len(seq.output_ids), None if logprobs is None else [logprobs], prompt_logprobs,
-                             cached_tokens=seq.num_cached_tokens, index=seq.index)
+        return output
 
     # --- leaving ----------------------------------------------------------------------------
     def fail(self, seq: Sequence, error: Exception) -> RequestOutput:

@@ -31,9 +31,11 @@ its k, as far as the budget and the free blocks go; the proposer's guesses arriv
 Admission first looks the sequence up in the prefix cache: the blocks of its longest cached prefix
 are shared, and its first chunk starts after them.
 
-After the step, ``update`` counts each sequence's computed tokens (not its rejected guesses), appends
-the run verification kept and finishes those that are done: the scheduler is the only one that changes a
-sequence, so the engine's step reads as a pipeline (schedule, propose, prepare, execute, verify, update).
+After the step, ``update`` counts each sequence's computed tokens (not its rejected guesses), hands the
+run verification kept to the output processor (``output_processor.py``: its text, and where it ends the
+sequence), appends what it kept, and finishes the sequences that ended: the scheduler is the only one that
+changes a sequence, so the engine's step reads as a pipeline (schedule, propose, prepare, execute, verify,
+update).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from dataclasses import dataclass
 from common.trace import StepClock
 
 from .block_manager import BlockManager
+from .output_processor import OutputProcessor
 from .policy import SpeculationCost, plan_guesses
 from .sampler import TokenLogprobs
 from .sequence import RequestOutput, Sequence, SequenceStatus
@@ -83,7 +86,7 @@ class Scheduler:
         assert max_num_batched_tokens >= max_num_seqs, "every running sequence decodes in every step: the budget " \
             f"({max_num_batched_tokens} tokens) must cover max_num_seqs ({max_num_seqs})"
         self.block_manager = block_manager
-        self.eos_token_ids = eos_token_ids
+        self.output_processor = OutputProcessor(eos_token_ids)  # each step's text, and who it ends
         self.max_num_seqs = max_num_seqs  # the most sequences running at once
         self.max_num_batched_tokens = max_num_batched_tokens  # the step's token budget: decodes and prompt chunks
         self.waiting: deque[Sequence] = deque()
@@ -274,10 +277,11 @@ class Scheduler:
         what was chosen for ``batch.seqs[i]``: the run verification kept (its accepted guesses and one token of
         the model's own), nothing for a chunk that ends part-way through its prompt. Count the computed tokens
         (rejected guesses are not), index the blocks they filled, start the other samples of a request whose
-        prompt is now cached, append each run, decide whether the sequence is done (and free it), and return the
-        output of every sequence that has news. A failure in one sequence's own work (its text, its stop
-        strings) fails that sequence alone. ``clock`` times the bookkeeping (``update``) apart from ``_append``,
-        which is mostly the detokenizer's work (``detokenize``)."""
+        prompt is now cached, have the output processor read each run (its text, where the sequence ends), append
+        what it kept, finish the sequences that ended (freeing their blocks), and return the output of every
+        sequence that has news. A failure in one sequence's own work (its text, its stop strings) fails that
+        sequence alone. ``clock`` times the bookkeeping (``update``) apart from ``_append``, which is mostly the
+        output processor's (``detokenize``)."""
         clock = clock or StepClock()
         outputs = []
         for seq, news in zip(batch.seqs, sampled, strict=True):
@@ -343,37 +347,16 @@ class Scheduler:
         seq.forks = []
 
     def _append(self, seq: Sequence, news: Sampled) -> RequestOutput:
-        """Add a step's tokens to their sequence one by one, deciding after each whether the sequence is done (EOS,
-        a stop string, max_tokens): what follows the end of a run is dropped. Frees the sequence if it is done.
-        The detokenizer runs here, not after: a stop string in the new text ends the sequence like EOS does."""
-        token_ids, logprobs = news.token_ids, news.logprobs
+        """Add a step's run of tokens to its sequence, as far as the output processor kept it (a run is cut where
+        its sequence ends: EOS, a stop string, max_tokens), and finish the sequence (freeing its blocks) if its
+        output says it ended."""
         # The first token comes with the prompt's logprobs, if the request asked (echo), scored over its chunks.
         prompt_logprobs = seq.prompt_logprobs if seq.params.prompt_logprobs is not None and not seq.output_ids else None
-        if seq.params.max_tokens == 0:  # only the prompt was to be scored (echo): the token is not used
-            self._finish(seq)
-            return RequestOutput(seq.request_id, [], "", "length", len(seq.prompt_ids), 0, [], prompt_logprobs,
-                                 cached_tokens=seq.num_cached_tokens)
-        text, finish_reason, kept = "", None, 0
-        for token_id in token_ids:
-            ### BEGIN SOLUTION 8.5
-            seq.output_ids.append(token_id)
-            kept += 1
-            if token_id in self.eos_token_ids and not seq.params.ignore_eos:
-                text, finish_reason = text + seq.detokenizer.flush(), "stop"
-            else:
-                text += seq.detokenizer.add(token_id)
-                if seq.detokenizer.stopped:
-                    finish_reason = "stop"
-                elif len(seq.output_ids) == seq.params.max_tokens:
-                    text, finish_reason = text + seq.detokenizer.flush(), "length"
-            if finish_reason is not None:
-                break  # the rest of the run is neither emitted nor counted
-            ### END SOLUTION
-        if finish_reason is not None:
+        output = self.output_processor.process(seq, news.token_ids, news.logprobs, prompt_logprobs)
+        seq.output_ids += output.token_ids
+        if output.finished:
             self._finish(seq)  # leaves the batch and frees its blocks at once
-        return RequestOutput(seq.request_id, token_ids[:kept], text, finish_reason, len(seq.prompt_ids),
-                             len(seq.output_ids), None if logprobs[0] is None else logprobs[:kept], prompt_logprobs,
-                             cached_tokens=seq.num_cached_tokens, index=seq.index)
+        return output
 
     # --- leaving ----------------------------------------------------------------------------
     def fail(self, seq: Sequence, error: Exception) -> RequestOutput:

@@ -229,3 +229,23 @@ def test_a_prompt_that_asks_for_prompt_logprobs_gets_its_rows_scored(mods):
         blocks.grow(s.block_table, s.num_tokens)
     step = runner.prepare(mods.scheduler.Batch([a, b], is_prefill=True))
     assert step.prompt_logits_indices == [3, 4, 5, 6] and step.num_prompt_logits == [0, 4]  # rows 0..3 of b
+
+
+@pytest.mark.parametrize("folder", stages_with("scheduler"))
+def test_the_output_processor_decides_the_end_and_leaves_the_sequence_to_the_scheduler(folder):
+    """The output processor reads a sequence's new tokens and says where it ends (EOS, ``max_tokens``; a run is
+    cut at its end from stage 08 on) without changing the sequence: appending is the scheduler's alone."""
+    mods = Stage(folder)
+    processor = stage(folder, "output_processor").OutputProcessor(eos_token_ids={7})
+    s = mods.sequence.Sequence("a", [1, 2, 3], mods.sampler.SamplingParams(max_tokens=4), generator=None,
+                               detokenizer=SilentDetokenizer())
+    s.output_ids = [4, 5]
+    going = processor.process(s, [6], [None], None)
+    assert (going.token_ids, going.finish_reason, going.completion_tokens) == ([6], None, 3)
+    assert (processor.process(s, [7], [None], None).finish_reason, s.output_ids) == ("stop", [4, 5])
+    s.output_ids = [4, 5, 6]
+    assert processor.process(s, [8], [None], None).finish_reason == "length"
+    if has(folder, "speculation"):  # a run: what follows its end is neither kept nor counted
+        s.output_ids = [4]
+        cut = processor.process(s, [6, 7, 8], [None] * 3, None)
+        assert (cut.token_ids, cut.finish_reason, cut.completion_tokens, s.output_ids) == ([6, 7], "stop", 3, [4])
