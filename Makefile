@@ -36,7 +36,7 @@ help:
 	@echo "make test-fast [STAGE=NN]        the graded and unit tests only (no model, server or process): the"
 	@echo "                      loop after each exercise"
 	@echo "make gpu-check CUDA=1 [PART=smoke|correctness|kernels|speed]  on a GPU machine, each part under"
-	@echo "                      10 minutes (all four without PART): demos, GPU tests, benchmarks -> results/cuda/gpu-check/"
+	@echo "                      9 minutes (all four without PART): demos, GPU tests, benchmarks -> results/cuda/<gpu>/"
 	@echo "make lint             ruff"
 
 # On a GPU machine, `make install CUDA=1` works offline and changes none of the machine's packages: it uses the
@@ -138,10 +138,13 @@ test: install
 test-fast: install
 	$(PYTEST) -m "exercise or not e2e" $(STAGE_TESTS)
 
-# On a GPU machine, in parts of under 10 minutes each (a GPU is often lent for short commands): PART=smoke, every
-# stage's demo on CUDA and stage 09 under torchrun with one rank; correctness, `pytest -m cuda` file by file;
-# kernels, the attention kernels' grid; speed, the decode step's profile and the quick sweeps. Without PART, all
-# four in order. Every command has a timeout. No model wheel needed: see common/gpu_check.py.
+# On a GPU machine, in parts of 9 minutes at most each (a GPU is often lent for short commands): PART=smoke, every
+# stage's demo on CUDA and stage 09 under torchrun with one rank; correctness, `pytest -m cuda` file by file (the
+# gateway's where Ray imports); kernels (5 minutes), the attention kernels' grid once per version of the Triton file;
+# speed, the decode step profiled (07 and the latest stage), the served sweep at concurrency 1 and 64 (06, 07, the
+# latest) and nano-vllm's throughput workload (the latest stage, transformers). Without PART, all four in order.
+# Every command has a timeout. Results go to results/cuda/<the GPU's name>/, and under $OUT too when it is set (a
+# lent machine's folder sent back). No model wheel needed: see common/gpu_check.py and results/cuda/README.md.
 .PHONY: gpu-check
 gpu-check: install
 	$(PY) -m common.gpu_check $(if $(PART),--part $(PART))

@@ -21,7 +21,8 @@ The kernels:
 * ``write_kv``: one program per new token copies its K and V rows into their slots (none for slot -1).
 * ``extend_attention``: causal flash attention of a ragged batch's new tokens over each sequence's
   whole cache. The key tiles wholly before a query tile's first position need no causal mask; only
-  the tiles on the diagonal pay for it. The tile sizes are autotuned on the first call (at start-up).
+  the tiles on the diagonal pay for it. The tile sizes are autotuned on the first call of each size of
+  query (``query_rows_bucket``: a 5-row verification is not tuned as an 8,192-token prompt).
 * ``decode_attention``: one query per sequence. The query heads that share a KV head (grouped-query
   attention) are padded to 16 rows, the smallest ``tl.dot``, so the tensor cores do the products and
   each K/V tile is loaded once for the whole group.
@@ -131,14 +132,27 @@ def _extend_configs() -> list[triton.Config]:
             for m, n, w, s in [(64, 32, 4, 2), (64, 64, 4, 3), (128, 32, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2)]]
 
 
-# The tiles are tuned once per model shape (and dtype), not per step: the engine's warm-up makes that
-# first call with a long step, so serving never pays for tuning or compilation. The block table's
-# width changes from step to step, and Triton would compile a new variant whenever its stride changes
-# divisibility: so it is not specialized on.
-@triton.autotune(configs=_extend_configs(), key=["HEAD_DIM", "GROUP"])
-@triton.jit(do_not_specialize=["stride_bt"])
+def query_rows_bucket(max_query_len: int) -> int:
+    """The tuning key for a step's longest query: 16 (a verification's 1 + K rows, a short chunk), 128, 1024, or
+    8192 and more, each bucket 8 times the last. The best tile for 5 rows a sequence (BLOCK_M of 64 leaves most of
+    it idle) is not the best for a prompt of 8,192: each bucket is tuned apart, four tunings at most."""
+    bucket = 16
+    while bucket < max_query_len and bucket < 8192:
+        bucket *= 8
+    return bucket
+
+
+# The tiles are tuned once per model shape (and dtype) and size of query (``query_rows_bucket``), not per
+# step: the engine's warm-up makes the first calls with a long step and a short one, and the CUDA graphs'
+# warm-up runs each verification bucket before capturing it, so serving seldom pays for tuning (a mid-sized
+# prompt chunk, once). The block table's width changes from step to step, and Triton would compile a new
+# variant whenever its stride changes divisibility: so it is not specialized on; nor is the query bucket,
+# which only keys the tuning (the kernel never reads it).
+@triton.autotune(configs=_extend_configs(), key=["HEAD_DIM", "GROUP", "query_rows"])
+@triton.jit(do_not_specialize=["stride_bt", "query_rows"])
 def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
                    qk_scale, stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
+                   query_rows,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     m_block, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -212,7 +226,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     _extend_kernel[grid](q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale * LOG2_E,
                          q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                         block_tables.stride(0), out.stride(0), out.stride(1),
+                         block_tables.stride(0), out.stride(0), out.stride(1), query_rows_bucket(max_query_len),
                          GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_PAD=triton.next_power_of_2(head_dim),
                          BLOCK_SIZE=block_size, PRECISION=_dot_precision(q.dtype),
                          UPCAST=_interpreted() and q.dtype != torch.float32)

@@ -22,8 +22,8 @@ The step's numbers are copied into their first rows and the rest is padding that
     block_tables  [5 rows of blocks, then 3 rows of 0] x W columns, W = ceil(max_model_len / block_size) always
     logits_indices [rows whose logits are needed, then 0]
 
-Everything a step needs goes in before it runs, through CPU twins of the buffers (pinned on CUDA, so that
-the copies do not block the CPU): nothing is read back from the GPU, and nothing made for the step is sent
+Everything a step needs goes in before it runs, through a CPU twin of the buffers (one buffer, pinned on CUDA,
+sent in one copy that does not block the CPU): nothing is read back from the GPU, and nothing made for the step is sent
 there, between the step's start and its logits. A block table comes as its sequence's own list of blocks,
 as long as it is; the rows are padded with block 0 up to the width in one tensor operation (a mask of
 where each row's blocks go), not row by row in Python (at 64 rows of 512 columns that loop takes 2.4 ms a
@@ -31,9 +31,11 @@ step, most of what a replayed step takes on a GPU).
 
 On CUDA each bucket's forward pass is captured once into a **CUDA graph** (``capture``): the GPU
 records every kernel launch with its arguments, and a step then replays the whole pass with one
-launch from the CPU instead of some 1,400. Replay reads whatever the static buffers hold, which is
-why they never move and why their shapes (the table width too) never change. On a CPU nothing is
-captured: the same buffers, buckets and padding run eagerly, so every CPU test exercises them.
+launch from the CPU instead of some 300 (``fused.py`` took the pass down from some 850 kernels: a graph
+removes what launching costs the CPU, not what each kernel costs the GPU). Replay reads whatever the
+static buffers hold, which is why they never move and why their shapes (the table width too) never
+change. On a CPU nothing is captured: the same buffers, buckets and padding run eagerly, so every CPU
+test exercises them.
 
 Steps with a prompt chunk longer than 1 + K tokens (below), and steps that score prompts (echo), run
 eagerly, with tensors built for the step (``run_eager``): their shapes change every step.
@@ -71,6 +73,7 @@ builds its own tensors from them.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from bisect import bisect_left
@@ -164,13 +167,34 @@ def bucket_for(num_seqs: int, sizes: list[int]) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
+def input_layout(rows: int, width: int) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """Every input of a step from the static buffers, as it lies in their one buffer: name, dtype, shape. The int64
+    inputs first (each an even number of int32 words, so every int64 view starts 8-byte aligned), the block
+    tables last, so that a bucket's copy ends right after its own rows of the table."""
+    return [("input_ids", torch.int64, (rows,)), ("positions", torch.int64, (rows,)),
+            ("slot_mapping", torch.int64, (rows,)), ("logits_indices", torch.int64, (rows,)),
+            ("query_start_loc", torch.int32, (rows + 1,)), ("query_lens", torch.int32, (rows,)),
+            ("seq_lens", torch.int32, (rows,)), ("block_tables", torch.int32, (rows, width))]
+
+
+def carve(flat: torch.Tensor, layout: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
+    """Views of the int32 buffer ``flat``, one per input of ``layout``, laid end to end: no copies, no new memory."""
+    views, offset = {}, 0
+    for name, dtype, shape in layout:
+        words = math.prod(shape) * dtype.itemsize // flat.element_size()
+        views[name] = flat[offset:offset + words].view(dtype).view(shape)
+        offset += words
+    return views
+
+
 @dataclass
 class StaticBuffers:
     """A step's inputs and output at fixed addresses, sized for the largest bucket: R rows, R sequence slots.
 
     A captured graph replays its kernels on exactly these tensors, so a step never allocates new ones:
-    it copies its numbers in (``load``) and reads the output rows it needs. On CUDA the numbers go
-    through pinned CPU twins (``staging``) and are copied to the GPU without blocking the CPU."""
+    it copies its numbers in (``load``) and reads the output rows it needs. Every input is a view of one int32
+    buffer (``inputs``, ``input_layout``), and has a twin in one CPU buffer (``staged``, pinned on CUDA; its views:
+    ``staging``): a step writes its numbers into the twins, and one copy, without blocking the CPU, sends them all."""
 
     input_ids: torch.Tensor  # [R] int64, padding 0 (any valid token: its row is thrown away)
     positions: torch.Tensor  # [R] int64, padding 0
@@ -181,24 +205,25 @@ class StaticBuffers:
     block_tables: torch.Tensor  # [R, W] int32, padding 0; W never changes (a graph bakes in the stride)
     logits_indices: torch.Tensor  # [R] int64: the rows whose logits the step needs, then 0
     hidden: torch.Tensor  # [R, hidden_size]: the forward pass's output
-    staging: dict[str, torch.Tensor]  # the rewritten buffers' CPU twins (pinned on CUDA)
-    copied: torch.cuda.Event | None = None  # on CUDA: set when the last step's copies out of staging are done
+    inputs: torch.Tensor  # every input above but ``hidden``, end to end: the one buffer they are views of
+    staged: torch.Tensor  # [same words] int32: the inputs' CPU twin (pinned on CUDA), what one copy sends
+    staging: dict[str, torch.Tensor]  # each input's view of ``staged``, by name
+    copied: torch.cuda.Event | None = None  # on CUDA: set when the last step's copy out of staging is done
 
     @classmethod
     def allocate(cls, max_rows: int, width: int, hidden_size: int, dtype: torch.dtype,
                  device: torch.device) -> StaticBuffers:
-        def zeros(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=dtype, device=device)
-
-        inputs = {"input_ids": zeros(max_rows, dtype=torch.int64), "positions": zeros(max_rows, dtype=torch.int64),
-                  "slot_mapping": torch.full((max_rows,), -1, dtype=torch.int64, device=device),
-                  "query_start_loc": torch.arange(max_rows + 1, dtype=torch.int32, device=device),
-                  "query_lens": torch.ones(max_rows, dtype=torch.int32, device=device),
-                  "seq_lens": zeros(max_rows), "block_tables": zeros(max_rows, width),
-                  "logits_indices": zeros(max_rows, dtype=torch.int64)}
-        pinned = device.type == "cuda"
-        staging = {name: torch.empty_like(buffer, device="cpu", pin_memory=pinned) for name, buffer in inputs.items()}
-        return cls(**inputs, hidden=zeros(max_rows, hidden_size, dtype=dtype), staging=staging)
+        layout = input_layout(max_rows, width)
+        words = sum(math.prod(shape) * kind.itemsize // 4 for _, kind, shape in layout)  # int32 words
+        staged = torch.zeros(words, dtype=torch.int32, pin_memory=device.type == "cuda")
+        staging = carve(staged, layout)
+        staging["slot_mapping"].fill_(-1)  # padding: write no K/V
+        staging["query_start_loc"].copy_(torch.arange(max_rows + 1))  # one token a row
+        staging["query_lens"].fill_(1)
+        inputs = torch.empty(words, dtype=torch.int32, device=device)
+        inputs.copy_(staged)
+        return cls(**carve(inputs, layout), hidden=torch.zeros(max_rows, hidden_size, dtype=dtype, device=device),
+                   inputs=inputs, staged=staged, staging=staging)
 
     @property
     def width(self) -> int:
@@ -227,10 +252,15 @@ class StaticBuffers:
         for name, numbers in values.items():
             self.staging[name][: len(numbers)].copy_(torch.tensor(numbers, dtype=self.staging[name].dtype))
         pad_block_tables(step.block_tables, self.staging["block_tables"][:size])  # each row padded to the width W
-        for name, staged in self.staging.items():
-            rows = size + 1 if name == "query_start_loc" else size
-            getattr(self, name)[:rows].copy_(staged[:rows], non_blocking=True)  # pinned -> GPU: the CPU goes on
-        if self.input_ids.is_cuda:
+        self.send(size)
+
+    def send(self, size: int) -> None:
+        """One copy of the staged numbers to the inputs: every input, the block tables up to row ``size`` (the rest
+        of the table is not the bucket's). Out of pinned memory it does not block the CPU; on CUDA an event marks
+        when it is done, so that the next ``load`` does not overwrite numbers still being read."""
+        end = self.block_tables.storage_offset() + size * self.width  # in words: the table comes last
+        self.inputs[:end].copy_(self.staged[:end], non_blocking=True)  # pinned -> GPU: the CPU goes on
+        if self.inputs.is_cuda:
             self.copied = torch.cuda.Event()
             self.copied.record()
 
@@ -319,12 +349,20 @@ class ModelRunner:
                          prompt_logits_indices=prompt_logits_indices, num_prompt_logits=num_prompt_logits)
 
     def _tensor(self, values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=self.device)
+        return self._to_device(torch.tensor(values, dtype=dtype))
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A CPU tensor on the runner's device. On CUDA through pinned memory and without blocking the CPU (the
+        pinned block is not reused before the copy is done: PyTorch's pinned allocator waits on the copy's event);
+        on a CPU the same call, which copies nothing."""
+        if self.device.type == "cuda":
+            tensor = tensor.pin_memory()
+        return tensor.to(self.device, non_blocking=True)
 
     def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
         """The step's ragged tables as one [B, longest] tensor, padded with block 0."""
         width = max(len(table) for table in tables)
-        return pad_block_tables(tables, torch.empty(len(tables), width, dtype=torch.int32)).to(self.device)
+        return self._to_device(pad_block_tables(tables, torch.empty(len(tables), width, dtype=torch.int32)))
 
     def bucket(self, step: StepInput) -> Bucket | None:
         """The bucket a step runs in from the static buffers, or None: it runs eagerly (a sequence with more rows
@@ -340,7 +378,8 @@ class ModelRunner:
         return None if size is None or longest > self.verify_query_len else Bucket(size, self.verify_query_len)
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def execute(self, step: StepInput,
+                input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """This rank's part of one forward pass for the whole step (every rank runs the same step).
 
         Returns the logits of the last token of each sequence that samples and of its guesses,
@@ -348,9 +387,12 @@ class ModelRunner:
         prompts, [M, V] (None when no sequence asked). Only those rows go through the output projection, and
         separately, so that nobody's sampled token depends on them. On ranks > 0 the logits are None: rank 0
         gathers them.
+
+        ``input_ids``: the step's tokens already on the device ([T] int64), in place of ``step.input_ids`` (then
+        placeholders): a draft model's guesses go in without being read back to the CPU first.
         """
         try:
-            return self.run_step(step)
+            return self.run_step(step, input_ids)
         except Exception as exc:
             if self.tp.size == 1:
                 raise
@@ -358,18 +400,22 @@ class ModelRunner:
             # the ranks are out of step for good, and the engine cannot go on.
             raise RanksOutOfStep(f"rank {self.tp.rank}: {type(exc).__name__}: {exc}") from exc
 
-    def run_step(self, step: StepInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def run_step(self, step: StepInput,
+                 input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """This rank's part of the step: from the static buffers when it fits a bucket, else eagerly."""
         bucket = self.bucket(step)
         if bucket is not None:
-            hidden = self.run_static(step, bucket)  # [T, hidden]: the real rows of the bucket
+            hidden = self.run_static(step, bucket, input_ids)  # [T, hidden]: the real rows of the bucket
             rows = self.buffers.logits_indices[: len(step.logits_indices)]  # [R]: loaded with the step's inputs
             return self.model.compute_logits(hidden[rows]), None  # every rank computes its logit slice
-        return self.run_eager(step)
+        return self.run_eager(step, input_ids)
 
-    def run_static(self, step: StepInput, bucket: Bucket) -> torch.Tensor:
-        """A step from the static buffers, padded to ``bucket``: replayed if captured, else eager."""
+    def run_static(self, step: StepInput, bucket: Bucket, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """A step from the static buffers, padded to ``bucket``: replayed if captured, else eager. ``input_ids``:
+        the step's tokens on the device, copied over the loaded placeholders (after them, on the same stream)."""
         self.buffers.load(step, *bucket)
+        if input_ids is not None:
+            self.buffers.input_ids[: len(step.input_ids)].copy_(input_ids)
         if bucket in self.graphs:
             self.graphs[bucket].replay()  # every kernel of the forward pass, one launch, on the buffers
         else:
@@ -385,7 +431,8 @@ class ModelRunner:
                             buffers.metadata(size, query_len))  # [size, hidden]
         buffers.hidden[:size].copy_(hidden)
 
-    def run_eager(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run_eager(self, step: StepInput,
+                  input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Any step, with tensors built for it: the path of prompt chunks, guesses, mixed steps and prompt scoring."""
         query_lens = [end - start for start, end in pairwise(step.query_start_loc)]
         meta = AttentionMetadata(
@@ -397,7 +444,8 @@ class ModelRunner:
             max_query_len=max(query_lens),
             logits_indices=self._tensor(step.logits_indices, torch.int64),
         )
-        input_ids = self._tensor(step.input_ids, torch.int64)  # [T]
+        if input_ids is None:
+            input_ids = self._tensor(step.input_ids, torch.int64)  # [T]
         positions = self._tensor(step.positions, torch.int64)  # [T]
         hidden = self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
         logits = self.model.compute_logits(hidden[meta.logits_indices])  # [R, V] float32

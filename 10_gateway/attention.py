@@ -14,7 +14,8 @@ step (L, 1); the same shape holds a prompt whose first h tokens are cached (h, n
 three things:
 
 1. ``write_kv``: store this step's new K and V in their slots (the *slot mapping* lists them; a slot
-   of -1 means "write nothing", for rows that are only padding).
+   of -1 means "write nothing", for rows that are only padding). From stage 07 on the model does this
+   in the same kernel that rotates the keys (``fused.rotary_and_write_kv``), before ``paged_attention``.
 2. Extend: each new token attends causally to its sequence's cache, which now holds the tokens of
    earlier steps and of this one, read through the block table.
 3. Decode, the most common case (every sequence adds one token): one query per sequence attends
@@ -22,7 +23,8 @@ three things:
 
 The PyTorch functions here are the reference: short, obviously right, and fast enough on a CPU.
 ``triton_attention.py`` has the same three functions as Triton kernels; ``paged_attention`` picks
-those on CUDA (or when ``LLM_ATTENTION=triton``), and the tests check that both agree.
+those on CUDA (or when ``LLM_ATTENTION=triton``), and the tests check that both agree. (On that path
+the model stores K/V with the fused kernel, which the tests check against ``write_kv``.)
 """
 
 from __future__ import annotations
@@ -233,20 +235,19 @@ def extend_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 # --- the one entry point the model calls ------------------------------------------------------------
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Write this step's K/V into the pool, then attend: extend or decode, PyTorch or Triton."""
-    # q: [T, H, D]; k, v: [T, Hkv, D]; caches: [N, S, Hkv, D] -> out: [T, H, D]
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """Attend over the pool, which already holds this step's K/V (``fused.rotary_and_write_kv`` stored them, in
+    the kernel that rotates the keys): extend or decode, PyTorch or Triton."""
+    # q: [T, H, D]; caches: [N, S, Hkv, D] -> out: [T, H, D]
     decode = meta.max_query_len == 1  # one new token per sequence: T == B
     if use_triton(q.device):
         from . import triton_attention as impl  # imported only where it runs: triton needs a GPU or the interpreter
 
-        impl.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if decode:
             return impl.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
         return impl.extend_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                      meta.max_query_len, scale)
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.kv_writes)
     if decode:
         return decode_attention_reference(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                                           meta.decode_groups(k_cache.shape[1]))

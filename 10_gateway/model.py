@@ -17,6 +17,10 @@ matrices that read the same input are stacked into one, q/k/v into ``qkv_proj`` 
 on a GPU, one kernel). Each output feature is still its own dot product, so the numbers do not change;
 loading stacks the checkpoint's separate tensors (``checkpoint_parts``).
 
+Between the products, the small operators go through ``fused.py``: each residual addition with the RMSNorm
+after it, SwiGLU's activation with its product, rotary embedding with the K/V write. On CUDA each group
+is one kernel; elsewhere the same PyTorch operators as before run, so that the numbers do not change either.
+
 Every layer with a weight matrix is a parallel layer (``parallel.py``), built for this
 process's rank of ``tp``: q/k/v and gate/up column-parallel, o_proj and down_proj row-parallel (an
 all-reduce each), the embedding and the output projection split by vocabulary. Each rank loads only its
@@ -33,12 +37,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
 from .attention import AttentionMetadata, paged_attention
 from .distributed import SINGLE, TPGroup
+from .fused import add_rms_norm, rms_norm, rotary_and_write_kv, silu_and_mul
 from .kv_cache import CacheShape, KVCache
 from .matmul import linear
 from .parallel import ColumnParallelLinear, Shard, VocabParallelEmbedding, column_row_pair, even_shard, head_shards
@@ -165,18 +169,20 @@ def _eos_token_ids(config: dict[str, Any], generation_config: dict[str, Any]) ->
 
 class RMSNorm(nn.Module):
     """Scale each vector to unit root-mean-square, then by a learned weight (no mean, no bias):
-    ``x / sqrt(mean(x^2) + eps) * weight``."""
+    ``x / sqrt(mean(x^2) + eps) * weight``. Given the residual stream too, ``x`` joins it first, and the norm
+    hands back the new stream with its output (``fused.add_rms_norm``: one kernel on CUDA)."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, hidden]. The statistics in float32 even for a bfloat16 model, as Hugging Face does; F.rms_norm
-        # is that formula in one operator (five otherwise), and the weight multiplies after the cast back, as
-        # Hugging Face's does.
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # x: [T, hidden] -> norm(x); with residual [T, hidden] -> (norm(residual + x), residual + x)
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_frequencies(config: ModelConfig) -> torch.Tensor:
@@ -217,15 +223,6 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each head's vector by its position's angles, in Hugging Face Llama's "rotate half"
-    layout: dimension i is paired with dimension i + D/2, not with its neighbour."""
-    # x: [T, heads, D]; cos, sin: [T, 1, D / 2]
-    x1, x2 = x.float().chunk(2, dim=-1)
-    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return rotated.to(x.dtype)
-
-
 class Attention(nn.Module):
     """Grouped-query attention: ``num_heads`` query heads share ``num_kv_heads`` key/value heads.
 
@@ -247,11 +244,10 @@ class Attention(nn.Module):
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         # x: [T, hidden]; kv_cache: this layer's K and V pools, each [num_blocks, block_size, Hkv, D]
         # (H and Hkv: this rank's heads)
-        rotated = self.num_heads + self.num_kv_heads  # the query heads, then the key heads
-        qkv = self.qkv_proj(x).view(-1, rotated + self.num_kv_heads, self.head_dim)  # [T, H + 2 Hkv, D]
-        q, k = apply_rotary(qkv[:, :rotated], cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, rotated:]  # [T, Hkv, D]: values are not rotated
-        out = paged_attention(q, k, v, *kv_cache, meta, self.scale)  # q: [T, H, D], k: [T, Hkv, D] -> [T, H, D]
+        qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)  # [T, H + 2 Hkv, D]
+        # q and k rotated, k and v stored in the step's cache slots (one kernel on CUDA): q [T, H, D]
+        q = rotary_and_write_kv(qkv, cos, sin, *kv_cache, meta, self.num_heads)
+        out = paged_attention(q, *kv_cache, meta, self.scale)  # [T, H, D]: over the cache, this step's K/V in it
         return self.o_proj(out.flatten(1))  # [T, hidden]: summed over the ranks' heads
 
 
@@ -270,13 +266,17 @@ class MLP(nn.Module):
                                                             (config.mlp_bias, config.mlp_bias), tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, hidden] -> gate, up: [T, intermediate / N] each -> [T, hidden]
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        # x: [T, hidden] -> gate, up: [T, intermediate / N] each, stacked -> silu(gate) * up -> [T, hidden]
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: ``x + attention(norm(x))``, then ``x + mlp(norm(x))``."""
+    """Pre-norm residual block: ``x + attention(norm(x))``, then ``x + mlp(norm(x))``.
+
+    Written with the residual stream carried beside each block's output, so that every addition happens
+    inside the norm that reads its result (``fused.add_rms_norm``): the layer adds what the last layer's
+    MLP gave to the stream, normalizes it, attends, adds that, normalizes again, and hands on its MLP's
+    output with the stream. The sums are the same ones, in the same order."""
 
     def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
@@ -285,11 +285,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, tp)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        # x: [T, hidden] -> [T, hidden]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        # x: [T, hidden], what joins the stream here (the first layer: the embedding, and residual None: the stream
+        # starts with it) -> (this layer's MLP output, the stream before it), [T, hidden] each
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)  # residual + x, and its norm
+        h, residual = self.post_attention_layernorm(self.self_attn(h, cos, sin, kv_cache, meta), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -307,9 +313,10 @@ class LlamaModel(nn.Module):
         # input_ids, positions: [T] -> hidden: [T, hidden]
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions)  # looked up once per step, shared by every layer
+        residual = None  # the residual stream: the embedding, then every block's output added to it
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache.layer(i), meta)
-        return x
+            x, residual = layer(x, residual, cos, sin, kv_cache.layer(i), meta)
+        return residual + x  # the last MLP's output joins the stream
 
 
 # --- the whole model, and loading it -----------------------------------------------------------------

@@ -189,30 +189,54 @@ class DraftProposer:
         logits = self.runner.execute(self._step(rows))[0]  # [len(rows), V]: each sequence's last row
         caught_up = [row for row, i in enumerate(catching_up)
                      if seqs[i].num_draft_computed_tokens == seqs[i].num_tokens]
-        guessing, logits = [catching_up[row] for row in caught_up], logits[caught_up]
-        # Then one decode step per further guess, over the sequences that still want one.
+        guessing, logits = [catching_up[row] for row in caught_up], logits[self._indices(caught_up)]
+        # Then one decode step per further guess, over the sequences that still want one. The guesses stay on the
+        # device: each step's tokens are the last step's guesses, and the CPU reads them all once, at the end.
+        guessed: dict[int, list[torch.Tensor]] = {i: [] for i in guessing}  # each sequence's guesses, [] each
         while guessing:
+            tokens = self._guess([seqs[i] for i in guessing], [proposals[i] for i in guessing],
+                                 [guessed[i] for i in guessing], logits)  # [len(guessing)] int64, on the device
             for row, i in enumerate(guessing):
-                self._guess(seqs[i], proposals[i], logits[row])
-            guessing = [i for i in guessing if len(proposals[i].token_ids) < ks[i]]
+                guessed[i].append(tokens[row : row + 1])
+            still = [row for row, i in enumerate(guessing) if len(guessed[i]) < ks[i]]
+            guessing = [guessing[row] for row in still]
             if guessing:
-                rows = [(seqs[i], proposals[i].token_ids[-1:], seqs[i].num_tokens + len(proposals[i].token_ids) - 1)
-                        for i in guessing]
+                rows = [(seqs[i], [0], seqs[i].num_tokens + len(guessed[i]) - 1) for i in guessing]  # 0: a placeholder
                 for i in guessing:
                     seqs[i].num_draft_computed_tokens += 1  # its newest guess, now in the draft's cache
-                logits = self.runner.execute(self._step(rows))[0]
+                step_ids = tokens if len(still) == len(tokens) else tokens[self._indices(still)]
+                logits = self.runner.execute(self._step(rows), input_ids=step_ids)[0]
+        order = [i for i in guessed if guessed[i]]
+        if order:  # the one read of the proposal: every guess of every sequence
+            flat = torch.cat([torch.cat(guessed[i]) for i in order]).tolist()
+            for i in order:
+                proposals[i].token_ids, flat = flat[: len(guessed[i])], flat[len(guessed[i]):]
         return proposals
 
-    def _guess(self, seq: Sequence, proposal: Proposal, logits: torch.Tensor) -> None:
-        """One more guess from the draft's logits [V], processed exactly as the model's will be (penalties see the
-        guesses so far); a sampling request draws it from q and keeps q for the acceptance test."""
-        logits = apply_penalties(logits[None], [seq.params], [seq.output_ids + proposal.token_ids])  # [1, V]
-        if seq.params.greedy:
-            proposal.token_ids.append(int(torch.argmax(logits)))
-            return
-        q = logits_to_probs(logits, [seq.params])  # [1, V]
-        proposal.token_ids.append(draw(q[0], seq.generator))
-        proposal.probs = q if proposal.probs is None else torch.cat([proposal.probs, q])
+    def _indices(self, rows: list[int]) -> torch.Tensor:
+        """``rows`` as an index tensor on the draft's device, copied without blocking (a Python list as an index
+        would be copied with a wait)."""
+        return self.runner._to_device(torch.tensor(rows, dtype=torch.int64))
+
+    def _guess(self, seqs: list[Sequence], proposals: list[Proposal], guessed: list[list[torch.Tensor]],
+               logits: torch.Tensor) -> torch.Tensor:
+        """One more guess for each sequence from the draft's logits [n, V], processed exactly as the model's will be
+        (penalties see the guesses so far), as a tensor [n] on the device: greedy rows take the argmax, all at once;
+        a sampling request draws its own from q (the sampler's exponential race, from its own generator) and keeps
+        q for the acceptance test. Only a penalized sequence's earlier guesses are read back, for its penalties."""
+        tokens = logits.argmax(dim=-1)  # [n]
+        for row, (seq, proposal) in enumerate(zip(seqs, proposals, strict=True)):
+            if seq.params.greedy and not seq.params.penalized:
+                continue
+            history = torch.cat(guessed[row]).tolist() if seq.params.penalized and guessed[row] else []
+            row_logits = apply_penalties(logits[row : row + 1], [seq.params], [seq.output_ids + history])  # [1, V]
+            if seq.params.greedy:
+                tokens[row] = torch.argmax(row_logits)
+                continue
+            q = logits_to_probs(row_logits, [seq.params])  # [1, V]
+            tokens[row] = draw(q[0], seq.generator)
+            proposal.probs = q if proposal.probs is None else torch.cat([proposal.probs, q])
+        return tokens
 
     def _step(self, rows: list[tuple[Sequence, list[int], int]]) -> StepInput:
         """A draft step: for each (sequence, tokens, first position), those tokens through the sequence's own

@@ -77,11 +77,11 @@ class Speculation:
         self.acceptance += ACCEPTANCE_WEIGHT * (accepted / tested - self.acceptance)
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One token from ``probs`` [V], with noise from the sequence's own stream: the sampler's exponential race, for a
-    proposer that samples its guesses one at a time."""
+    proposer that samples its guesses one at a time. A 0-d tensor on ``probs``' device: nothing is read back."""
     noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int(torch.argmax(probs / noise))
+    return torch.argmax(probs / noise)
 
 
 def accept_greedy(draft: list[int], choices: list[int]) -> list[int]:

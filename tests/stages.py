@@ -144,13 +144,17 @@ TABLE = course(
           }),
     Stage("07_cuda_graphs", adds={"static_buffers"},
           lesson="CUDA graphs: decode steps from static buffers in buckets, captured on CUDA; padding rows that do "
-                 "nothing",
+                 "nothing; fused kernels for the small operators between the products",
           changes={
-              "attention.py": ("decode_attention_reference", "length_groups"),
+              "attention.py": ("__doc__", "decode_attention_reference", "length_groups", "paged_attention"),
               "config.py": ("EngineConfig",),
-              "model_runner.py": ("__doc__", "<imports>", "ModelRunner", "StaticBuffers", "bucket_for",
-                                  "graph_batch_sizes", "log", "pad_block_tables", "run_dummy_step", "start_runner"),
-              "triton_attention.py": ("_merge_splits_kernel",),
+              "model.py": ("__doc__", "<imports>", "Attention", "DecoderLayer", "LlamaModel", "MLP", "RMSNorm",
+                           "apply_rotary"),
+              "model_runner.py": ("__doc__", "<imports>", "ModelRunner", "StaticBuffers", "bucket_for", "carve",
+                                  "graph_batch_sizes", "input_layout", "log", "pad_block_tables", "run_dummy_step",
+                                  "start_runner"),
+              "triton_attention.py": ("__doc__", "_extend_kernel", "_merge_splits_kernel", "extend_attention",
+                                      "query_rows_bucket"),
           }),
     Stage("08_speculative", adds={"speculation"},
           lesson="speculative decoding: room for guesses, k + 1 rows a sequence, verification, rejected blocks back, "

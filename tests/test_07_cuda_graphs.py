@@ -167,6 +167,56 @@ def test_a_table_wider_than_the_buffers_is_refused():
         buffers.load(decode_step([(40, [1, 2, 3])]), size=1)
 
 
+INPUT_NAMES = ("input_ids", "positions", "slot_mapping", "query_start_loc", "query_lens", "seq_lens", "block_tables",
+               "logits_indices")
+
+
+@pytest.mark.parametrize("folder", stages_having("static_buffers"))
+def test_a_step_sends_its_inputs_in_one_copy_from_one_staging_buffer_into_one_device_buffer(folder, monkeypatch):
+    """Every input of a static step is a view of one device buffer, and its CPU twin a view of one staging buffer
+    (pinned on CUDA): a step writes its numbers into the twins, and one host-to-device copy sends them all (eight
+    copies, one per input, cost eight launches and eight waits on the copy engine). A graph captured on the views
+    sees every step's numbers: the views never move."""
+    buffers = stage(folder, "model_runner").StaticBuffers.allocate(8, 6, hidden_size=6, dtype=torch.float32,
+                                                                   device=torch.device("cpu"))
+    storages = {getattr(buffers, name).untyped_storage().data_ptr() for name in INPUT_NAMES}
+    staged = {view.untyped_storage().data_ptr() for view in buffers.staging.values()}
+    assert len(storages) == 1 and len(staged) == 1 and storages != staged, "one buffer each side, apart"
+    assert (buffers.input_ids.dtype, buffers.block_tables.dtype) == (torch.int64, torch.int32)
+    before = {name: getattr(buffers, name).data_ptr() for name in INPUT_NAMES}
+    copies, copy = [], torch.Tensor.copy_
+
+    def counted(dst, src, non_blocking=False):
+        if dst.untyped_storage().data_ptr() in storages:
+            copies.append(non_blocking)
+        return copy(dst, src, non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", counted)
+    buffers.load(decode_step([(20, [3, 5]), (3, [1]), (49, [2, 4, 6, 7])]), size=4)
+    monkeypatch.undo()
+    assert copies == [True], "one copy into the device buffer, that does not block"
+    assert {name: getattr(buffers, name).data_ptr() for name in INPUT_NAMES} == before
+    assert buffers.input_ids[:4].tolist() == [3, 10, 17, 0] and buffers.slot_mapping[:4].tolist()[3] == -1
+    assert buffers.block_tables[:3].tolist() == [[3, 5, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0], [2, 4, 6, 7, 0, 0]]
+    assert buffers.query_start_loc[:5].tolist() == [0, 1, 2, 3, 4] and buffers.query_lens[:4].tolist() == [1] * 4
+
+
+@pytest.mark.parametrize("folder", stages_having("static_buffers"))
+def test_an_eager_step_copies_nothing_to_the_device_that_blocks(folder):
+    """A prefill or mixed step runs eagerly, with tensors built for it: each is made on the CPU (pinned on CUDA)
+    and sent without blocking, never made from a list straight on the device (a pageable copy: the CPU waits)."""
+    from .syncs import count_syncs
+
+    runner = tiny_runner(folder=folder)
+    step = model_runner.StepInput(input_ids=[5, 6, 7, 8], positions=[0, 1, 2, 0], slot_mapping=[16, 17, 18, 32],
+                                  query_start_loc=[0, 3, 4], seq_lens=[3, 1], block_tables=[[1], [2]],
+                                  logits_indices=[2, 3], prompt_logits_indices=[0, 1], num_prompt_logits=[2, 0])
+    with count_syncs() as syncs:
+        logits, prompt_logits = runner.run_eager(step)
+    assert not syncs.copies, syncs.calls
+    assert logits.shape[0] == 2 and prompt_logits.shape[0] == 2
+
+
 # --- replaying a bucket's graph, on a tiny random model ------------------------------------------------------
 
 TINY = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 128, "intermediate_size": 256,
@@ -175,17 +225,17 @@ TINY = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 128, "intermed
 SENTINEL = 1234.5
 
 
-def tiny_runner(device: str = "cpu", max_num_seqs: int = 8, num_blocks: int = 40):
-    """A runner on a random two-layer model (no checkpoint) and a pool of ``num_blocks`` blocks of 16: a step
-    from the static buffers in milliseconds. Its buckets: 1, 2, 4, 8."""
-    model_module, kv_module = stage(FOLDER, "model"), stage(FOLDER, "kv_cache")
+def tiny_runner(device: str = "cpu", max_num_seqs: int = 8, num_blocks: int = 40, folder: str = FOLDER):
+    """A runner (stage ``folder``'s) on a random two-layer model (no checkpoint) and a pool of ``num_blocks`` blocks
+    of 16: a step from the static buffers in milliseconds. Its buckets: 1, 2, 4, 8."""
+    model_module, kv_module = stage(folder, "model"), stage(folder, "kv_cache")
     config = model_module.ModelConfig.from_hf(TINY)
     torch.manual_seed(0)
     model = model_module.LlamaForCausalLM(config).to(device)
     shape = config.cache_shape(16, torch.float32)
     kv_cache = kv_module.KVCache.allocate(shape, num_blocks * shape.bytes_per_block, torch.device(device))
-    return model_runner.ModelRunner(model, kv_cache, 16, torch.device(device), max_num_seqs,
-                                    config.max_position_embeddings)
+    return stage(folder, "model_runner").ModelRunner(model, kv_cache, 16, torch.device(device), max_num_seqs,
+                                                     config.max_position_embeddings)
 
 
 def rows_from(first_block: int, lengths: list[int]) -> list[tuple[int, list[int]]]:

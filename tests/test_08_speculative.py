@@ -658,3 +658,42 @@ def test_step_costs_from_a_step_bench_file_replace_the_timing(folder, tiny):
     assert timed == [] and engine.scheduler.cost == policy.SpeculationCost(cost.verify, cost.decode, None, 0.0)
     steps = json.loads(STEP_COSTS.read_text())["steps"]
     assert cost.decode.seconds(1) == next(s["static_ms"] for s in steps if s["batch_size"] == 1) / 1000
+
+
+@pytest.mark.parametrize("folder", stages_having("speculation"))
+def test_the_draft_proposer_reads_its_guesses_back_once_per_proposal(folder, tiny):
+    """k draft steps per proposal, and the CPU waits for the device once: each step's tokens are the last step's
+    guesses, sent on as a device tensor, and the guesses of every sequence are read back together at the end. (A
+    read per guess is k waits, each stopping the CPU from queueing the next draft step.) Greedy, no penalties:
+    nothing else is read, nothing copied with a wait, no list indexes a tensor."""
+    from .syncs import count_syncs
+
+    engine = make_engine(folder, tiny[0], kv_cache_mb=16, max_num_seqs=8, speculative="draft", draft_layers=1,
+                         num_speculative_tokens=3, speculative_policy="always")
+    propose, seen = engine.proposer.propose, []
+
+    def counted(seqs, ks):
+        with count_syncs() as syncs:
+            proposals = propose(seqs, ks)
+        seen.append((syncs, sum(len(p.token_ids) for p in proposals)))
+        return proposals
+
+    engine.proposer.propose = counted
+    # The draft's forward pass stubbed (on a CPU its attention reads tensors the GPU kernels never would): logits
+    # that make every guess 7, then 8, then 9 (garbage the model rejects, as any draft's guesses may be).
+    vocab, calls = engine.proposer.model.config.vocab_size, []
+
+    def execute(step, input_ids=None):
+        calls.append(step)
+        logits = torch.zeros(len(step.logits_indices), vocab)
+        logits[:, 7 + len(calls) % 3] = 1.0
+        return logits, None
+
+    engine.proposer.runner.execute = execute
+    prompts = [[40 + i, 101, 102, 103] * 2 for i in range(4)]
+    engine.generate_offline(prompts, stage(folder, "sampler").SamplingParams(max_tokens=8, temperature=0.0,
+                                                                               ignore_eos=True))
+    assert any(guesses > len(prompts) for _, guesses in seen), "several guesses a sequence in some proposal"
+    for syncs, guesses in seen:
+        assert syncs.reads == (1 if guesses else 0), syncs.calls
+        assert not syncs.copies and not syncs.list_indexing, syncs.calls

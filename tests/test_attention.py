@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from .conftest import make_engine, stage
-from .stages import changed_stages_with, graded_first, has
+from .stages import changed_stages_with, graded_first, has, stages_having
 
 ATOL = 1e-4
 
@@ -410,3 +410,15 @@ def test_the_reference_in_bfloat16_matches_itself_in_float32(attn):
     expected = attn.extend_attention_reference(q.float(), k_cache.float(), v_cache.float(), meta, scale)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected, atol=BF16_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("folder", stages_having("static_buffers"))
+def test_the_extend_kernels_tuning_is_keyed_on_the_size_of_the_query(folder):
+    """A 5-row verification step and an 8,192-token prompt are tuned apart (one tile for both leaves most of a
+    verification's BLOCK_M rows idle), and the buckets stay few: every tuning is paid once, at start-up or on the
+    first step of its size."""
+    kernels = stage(folder, "triton_attention")
+    assert "query_rows" in kernels._extend_kernel.keys
+    buckets = {kernels.query_rows_bucket(n) for n in range(1, 20_000, 7)}
+    assert kernels.query_rows_bucket(5) != kernels.query_rows_bucket(8192) and len(buckets) <= 4
+    assert kernels.query_rows_bucket(1) == kernels.query_rows_bucket(5) == kernels.query_rows_bucket(16)
