@@ -16,12 +16,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import ray
+import torch
 from ray import serve
 from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
+from safetensors import safe_open
 
 import common
 from common.cli import served_name
+from common.device import pick_dtype
+from common.weights import resolve_model
 
 from .autoscaling import QueueDepthPolicy
 from .config import EngineConfig
@@ -67,8 +71,59 @@ def replica_bounds(spec: ModelSpec, fleet: GatewayConfig) -> tuple[int, int]:
     return fleet.min_replicas, fleet.max_replicas
 
 
+def weight_bytes(config: EngineConfig, dtype: torch.dtype) -> int:
+    """What the weights of ``config``'s model take in ``dtype``, with those of its draft model's folder under
+    ``--speculative draft`` (a layer-skip draft is the model's own layers): the elements their safetensors files
+    hold, read from the files' headers alone."""
+    folders = [config.model] + ([config.draft_model] if config.speculative == "draft" and config.draft_model else [])
+    elements = 0
+    for folder in folders:
+        for path in resolve_model(folder).glob("*.safetensors"):
+            with safe_open(path, "pt") as tensors:
+                elements += sum(math.prod(tensors.get_slice(name).get_shape()) for name in tensors.keys())
+    return elements * dtype.itemsize
+
+
+def shared_kv_cache_mb(total_bytes: int, share: float, utilization: float, weights: int) -> int:
+    """The KV pool, in MiB, of a replica that holds ``share`` of a GPU of ``total_bytes``: ``utilization`` of
+    its share, less its weights. Nothing here depends on what the other replicas hold, so the replicas can start
+    in any order, or all at once. The rest of the share, ``1 - utilization`` of it, is for what the engine's own
+    rule would have measured or left free: this process's CUDA context, the largest step's activations, the CUDA
+    graphs."""
+    budget = int(total_bytes * share * utilization) - weights
+    if budget < 2**20:  # and never 0, which would mean "the engine's own rule" to the engine
+        raise ValueError(f"--replica-gpus {share} of a {total_bytes / 2**30:.0f} GiB GPU at "
+                         f"--gpu-memory-utilization {utilization} leaves no room for a KV cache beside "
+                         f"{weights / 2**20:.0f} MiB of weights: give each replica more of the GPU or of its memory")
+    return budget // 2**20
+
+
+class GpuShareReplica(ModelReplica):
+    """A replica on a fraction of a GPU (``--replica-gpus`` below 1), its KV pool sized to that fraction.
+
+    Ray's fraction is bookkeeping: it places up to ``1 / share`` replicas on one GPU and shows each the whole
+    card. The engine's own rule sizes its pool to ``gpu_memory_utilization`` of the whole card less all that is
+    in use there, the other replicas' memory included, so the first replica to start would take its share of
+    the whole card and a second would find nothing left. This replica gives the engine a fixed ``kv_cache_mb``
+    instead, from its own share (``shared_kv_cache_mb``), before the engine starts."""
+
+    def __init__(self, config: EngineConfig, served_name: str, threads: int, share: float) -> None:
+        total = torch.cuda.get_device_properties(0).total_memory  # the GPU Ray gave this process: its cuda:0
+        weights = weight_bytes(config, pick_dtype(config.dtype, torch.device("cuda")))
+        kv_cache_mb = shared_kv_cache_mb(total, share, config.gpu_memory_utilization, weights)
+        super().__init__(replace(config, kv_cache_mb=kv_cache_mb), served_name, threads)
+
+
+def shares_a_gpu(engine: EngineConfig, fleet: GatewayConfig) -> bool:
+    """Whether the gateway sizes the replicas' KV pools: replicas on a fraction of a GPU each, and no
+    ``--kv-cache-mb`` (which, given, is every replica's pool as it is). A whole GPU or more is the replica's
+    alone, and the engine's own rule is right there."""
+    return 0 < fleet.replica_gpus < 1 and engine.device != "cpu" and engine.kv_cache_mb == 0
+
+
 def model_deployment(spec: ModelSpec, fleet: GatewayConfig) -> Application:
-    """One model's replicas: each a ModelReplica holding ``replica_cpus`` CPUs, routed and autoscaled."""
+    """One model's replicas: each a ModelReplica holding ``replica_cpus`` CPUs (and ``replica_gpus`` GPUs),
+    routed and autoscaled."""
     if fleet.router == "prefix":
         router = RequestRouterConfig(request_router_class=PrefixAwareRouter,
                                      request_router_kwargs={"imbalance": fleet.router_imbalance})
@@ -82,14 +137,17 @@ def model_deployment(spec: ModelSpec, fleet: GatewayConfig) -> Application:
         metrics_interval_s=fleet.metrics_interval_s, look_back_period_s=max(1.0, 2 * fleet.metrics_interval_s),
         upscale_delay_s=fleet.upscale_delay_s, downscale_delay_s=fleet.downscale_delay_s, policy=policy)
     threads = max(1, math.ceil(fleet.replica_cpus))
-    return serve.deployment(ModelReplica).options(
+    replica, args = ModelReplica, (spec.engine, spec.name, threads)
+    if shares_a_gpu(spec.engine, fleet):
+        replica, args = GpuShareReplica, (*args, fleet.replica_gpus)
+    return serve.deployment(replica).options(
         name=deployment_name(spec.name), max_ongoing_requests=fleet.max_ongoing_requests,
         max_queued_requests=fleet.max_queued_requests,
         ray_actor_options={"num_cpus": fleet.replica_cpus, "num_gpus": fleet.replica_gpus},
         autoscaling_config=autoscaling, request_router_config=router,
         # A replica being removed takes no new request and has this long to finish its streams (long, on a CPU).
         health_check_period_s=2.0, health_check_timeout_s=30.0, graceful_shutdown_timeout_s=120.0,
-    ).bind(spec.engine, spec.name, threads)
+    ).bind(*args)
 
 
 def build_app(specs: list[ModelSpec], fleet: GatewayConfig) -> Application:

@@ -14,6 +14,10 @@ It is Ray Serve's ingress deployment: Ray Serve's HTTP proxy hands it each reque
 What the replica answers is stage 09's own response (see replica.py): the gateway adds only headers that say
 where the request went (``x-model``, ``x-replica``, ``x-route``). A replica that fails mid-stream gives its
 clients an error event; the gateway keeps serving through the others.
+
+/health, /metrics and /fleet answer from the fleet's last snapshot (fleet_view.py), refreshed in the background:
+a probe never waits for Ray Serve's controller or a replica. This module imports neither PyTorch nor the engine
+(what crosses from a replica is defined in messages.py): the gateway's process validates, routes and relays.
 """
 
 # No `from __future__ import annotations` here: Ray Serve's ingress rebuilds the routes' signatures, and FastAPI
@@ -25,7 +29,8 @@ import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -50,11 +55,11 @@ from common.protocol import (
 from common.weights import load_tokenizer
 
 from . import TITLE
+from .fleet_view import FleetCollector, FleetView, gauge
 from .gateway_config import ROUTING_BLOCKS
+from .messages import GENERATION_RESPONSES, ResponseStart, sse_event
 from .prefix_index import HashIndex
-from .replica import ResponseStart
 from .routing import DifficultyRule, Size, choose_size
-from .server import GENERATION_RESPONSES, sse_event
 
 log = logging.getLogger("llm-course")
 AUTO = "auto"  # the model name that lets the gateway choose
@@ -85,8 +90,6 @@ class GatewayMetrics:
         self.refused = Counter("llm_gateway_requests_refused", "Requests answered 503 by the gateway: its queue "
                                "for the model was full (overloaded) or the replica failed (replica_failed).",
                                ["model", "why"], registry=r)
-        self.replicas = Gauge("llm_gateway_replicas", "Replicas of a model, by state.", ["model", "state"],
-                              registry=r)
 
 
 async def prepend(first: bytes, rest: AsyncGenerator[bytes, None]) -> AsyncIterator[bytes]:
@@ -140,6 +143,10 @@ class Gateway:
             self.metrics.in_flight.labels(name).set_function(lambda name=name: self.in_flight[name])
         self.context_lengths: dict[str, int] = {}
         self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self.fleet = FleetView({model.name: model.deployment for model in models},
+                               {model.name: model.handle for model in models})
+        self.metrics.registry.register(FleetCollector(self.fleet))
+        self.watching = self.fleet.watch()  # (Ray Serve builds the ingress on the event loop that serves it)
 
     # --- the OpenAI routes --------------------------------------------------------------------
     @app.post("/v1/completions", responses=GENERATION_RESPONSES)
@@ -159,7 +166,11 @@ class Gateway:
             rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             return tokenizer(rendered, add_special_tokens=False).input_ids
 
-        return await self.forward(raw, req, "\n".join(m["content"] for m in messages), tokens, req.output_limit)
+        # The difficulty rule reads the user's words only. A system prompt is the application's, the same in every
+        # chat: one that says "explain step by step" would send every chat of that application to the large model.
+        # (The prompt's length still counts every token: the system prompt costs its prefill all the same.)
+        asked = "\n".join(m["content"] for m in messages if m["role"] == "user")
+        return await self.forward(raw, req, asked, tokens, req.output_limit)
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models(self) -> ModelList:
@@ -172,20 +183,41 @@ class Gateway:
 
     @app.get("/health")
     async def health(self) -> JSONResponse:
-        """200 while every model has a running replica (503 otherwise: a load balancer sends elsewhere)."""
-        replicas = await self.replica_states()
-        models = {name: {"size": model.size, "replicas": replicas.get(name, {}), "in_flight": self.in_flight[name]}
-                  for name, model in self.models.items()}
+        """200 while every model has a running replica (503 otherwise: a load balancer sends elsewhere). From the
+        fleet's last snapshot, whose age it gives (``snapshot_age_s``; null before the first): it awaits nothing, so
+        a probe is answered at once however busy the gateway is."""
+        models = {name: {"size": model.size, "replicas": self.fleet.replica_states(name),
+                         "in_flight": self.in_flight[name]} for name, model in self.models.items()}
         down = [name for name, state in models.items() if not state["replicas"].get("RUNNING")]
         status = f"no running replica of {', '.join(down)}" if down else "ok"
-        return JSONResponse({"status": status, "models": models}, status_code=503 if down else 200)
+        return JSONResponse({"status": status, "models": models, "snapshot_age_s": self.fleet.age_s()},
+                            status_code=503 if down else 200)
 
     @app.get("/metrics")
-    async def metrics(self) -> Response:
-        for name, states in (await self.replica_states()).items():
-            for state, count in states.items():
-                self.metrics.replicas.labels(name, state).set(count)
+    async def metrics_text(self) -> Response:  # (not `metrics`: the instance's `metrics` is its GatewayMetrics)
+        """The gateway's counters, then the fleet from its last snapshot: replicas by state, and every replica's
+        stage 09 metrics under stage 09's names, labelled by model and replica."""
         return Response(generate_latest(self.metrics.registry), media_type="text/plain; version=0.0.4")
+
+    @app.get("/fleet")
+    async def fleet_settings(self) -> JSONResponse:
+        """The fleet as it runs: per model, the settings Ray Serve applies to its deployment (replicas, router, queue
+        bound, autoscaling) and each replica's state and load; the difficulty rule. For people and dashboards, apart
+        from /health: a probe's answer stays small and says only whether to send traffic here."""
+        return JSONResponse({"models": {name: self.describe_model(model) for name, model in self.models.items()},
+                             "rule": asdict(self.rule), "routing_blocks": ROUTING_BLOCKS,
+                             "block_size": self.index.block_size, "snapshot_age_s": self.fleet.age_s()})
+
+    def describe_model(self, model: ServedModel) -> dict[str, Any]:
+        """/fleet's part for one model; each replica's load from its last engine report (none yet: its state only)."""
+        fleet = self.fleet.models.get(model.name)
+        engines = {report.replica: report for report in self.fleet.reports(model.name)}
+        replicas = {replica: {"state": state, **{key: gauge(engines[replica], f"llm_requests_{key}")
+                                                 for key in ("running", "waiting") if replica in engines}}
+                    for replica, state in (fleet.replicas if fleet else {}).items()}
+        return {"size": model.size, "folder": model.folder, "deployment": model.deployment,
+                "settings": fleet.settings if fleet else None, "replicas": replicas,
+                "in_flight": self.in_flight[model.name]}
 
     # --- routing and relaying -----------------------------------------------------------------
     def pick(self, req: SamplingRequest, text: str, tokens: Callable[[str], list[int]],
@@ -282,11 +314,3 @@ class Gateway:
             raise
         finally:
             self.in_flight[model] -= 1
-
-    async def replica_states(self) -> dict[str, dict[str, int]]:
-        """Each model's replicas by state (RUNNING, STARTING, STOPPING...), from Ray Serve's controller."""
-        status = await asyncio.to_thread(serve.status)
-        deployments = {d: info for application in status.applications.values()
-                       for d, info in application.deployments.items()}
-        return {model.name: {str(state): count for state, count in deployments[model.deployment].replica_states.items()}
-                for model in self.models.values() if model.deployment in deployments}

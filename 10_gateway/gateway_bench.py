@@ -4,6 +4,7 @@
     python -m 10_gateway.gateway_bench autoscale    # a load step up and down: the second replica comes and goes
     python -m 10_gateway.gateway_bench streams      # 2,000 streams at once; chats beside a burst of long prompts
     python -m 10_gateway.gateway_bench hop          # one request at a time: stage 09 alone, then behind the gateway
+    python -m 10_gateway.gateway_bench flood        # 3,000 requests at once while /health is probed every 0.2 s
     python -m 10_gateway.gateway_bench routers --quick   # any part, CI-sized, into results/quick/<device>/
 
 Each part starts its own fleet (``fleet.start``: a local Ray instance, the replicas, the gateway), sends
@@ -15,7 +16,9 @@ its load through the gateway's OpenAI endpoint as streaming chat requests, stops
   it; the prefix router keeps a system prompt on the replica that has it cached. Per router: the prefix
   cache's hit rate (cached prompt tokens over prompt tokens, from each answer's ``usage``), TTFT, the
   requests each replica got (``x-replica``) and output tokens/s. Each router gets a fresh fleet, so both
-  start with cold caches.
+  start with cold caches. Twice: with fewer clients than the replicas hold, then with more clients than
+  their slots (a few ``max_ongoing_requests`` each), so that requests wait at the gateway, where Ray Serve
+  decides which waiting request gets a replica with room.
 - **autoscale**: many clients at once for a while, then none, against one model of 1 to 2 replicas;
   ``/health`` every 0.5 s gives the replicas by state and the requests in flight. How long after the load
   starts the second replica is STARTING and then RUNNING (its model loaded and warmed up), and how long
@@ -28,6 +31,10 @@ its load through the gateway's OpenAI endpoint as streaming chat requests, stops
 - **hop**: the cost of the gateway's extra hops (Ray Serve's proxy, the gateway, the replica's actor):
   the same requests one at a time to a stage 09 server alone and to a gateway with one replica of the
   same engine, alternating between them; TTFT and inter-token latency, p50.
+- **flood**: far more requests at once than the fleet holds (3 replicas of 96 slots, 256 queued at the
+  gateway), so that most are refused at once with 503: the gateway's busiest moment. Meanwhile a liveness
+  probe's ``/health`` every 0.2 s, each on a new connection and none waiting for the one before: the
+  slowest, p99 and p50 probe, against the 1 s a probe may take, and what the requests got.
 """
 
 from __future__ import annotations
@@ -38,10 +45,11 @@ import json
 import resource
 import shlex
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from itertools import pairwise
@@ -102,14 +110,20 @@ class RoutersLoad:
 
     At least as many system prompts as clients: a prompt's next question is sent after its first one has
     been answered, when a replica holds the prompt in its cache. (Questions after one prompt that nobody has
-    cached, sent at once, all miss whatever the router: that first wave measures no router.)"""
+    cached, sent at once, all miss whatever the router: that first wave measures no router.)
+
+    Then the same requests with a queue at the gateway: ``queued_clients`` in flight, more than the replicas'
+    slots together (``queued_slots`` each), as in any burst. Ray Serve then decides which waiting request gets a
+    replica that has room, a decision that can undo the router's."""
 
     system_prompts: int = 16  # distinct system prompts, one per desk
     system_tokens: int = 350  # about this long each
     questions: int = 6  # per system prompt
-    clients: int = 8  # requests in flight at once
+    clients: int = 8  # requests in flight at once: far fewer than the replicas hold (96 each), no queue
     max_tokens: int = 16
     kv_cache_mb: int = 160  # each replica's pool: 45 KiB per token of SmolLM2-135M in float32
+    queued_clients: int = 16  # twice the slots below: about half of them wait at the gateway
+    queued_slots: int = 4  # each replica's max_ongoing_requests in the queued runs
 
 
 @dataclass(frozen=True)
@@ -140,11 +154,23 @@ class HopLoad:
     rounds: int = 4  # the requests alternate between the two servers in this many rounds
 
 
-FULL = {"routers": RoutersLoad(), "autoscale": AutoscaleLoad(), "streams": StreamsLoad(), "hop": HopLoad()}
-QUICK = {"routers": RoutersLoad(system_prompts=8, questions=3, clients=4, max_tokens=8, kv_cache_mb=96),
+@dataclass(frozen=True)
+class FloodLoad:
+    requests: int = 3000  # at once, one request each: far past 3 x 96 slots and 256 queued, most are refused
+    max_tokens: int = 8
+    max_queued_requests: int = 256  # per model at the gateway: a short queue, so that the refusals come at once
+    probe_period_s: float = 0.2  # a /health probe starts this often, whether or not the last one has answered
+    probe_timeout_s: float = 60.0  # a probe unanswered after this long is counted as unanswered, not timed
+    lead_in_s: float = 2.0  # probes on the idle fleet, before the flood
+
+
+FULL = {"routers": RoutersLoad(), "autoscale": AutoscaleLoad(), "streams": StreamsLoad(), "hop": HopLoad(),
+        "flood": FloodLoad()}
+QUICK = {"routers": RoutersLoad(system_prompts=8, questions=3, clients=4, max_tokens=8, kv_cache_mb=96,
+                                queued_clients=8, queued_slots=2),
          "autoscale": AutoscaleLoad(load_s=35.0, max_tokens=16, settle_s=30.0),
          "streams": StreamsLoad(clients=200, chats=4, chat_tokens=16, lead_in_s=8.0, burst=3, burst_tokens=(600, 700)),
-         "hop": HopLoad(requests=6, max_tokens=8, rounds=2)}
+         "hop": HopLoad(requests=6, max_tokens=8, rounds=2), "flood": FloodLoad(requests=600)}
 
 
 # --- one streamed chat request, as the client sees it ------------------------------------------------------------
@@ -337,7 +363,8 @@ def fleet_running(specs: list[ModelSpec], fleet: GatewayConfig) -> Iterator[str]
 def configs(args: argparse.Namespace, kv_cache_mb: int = 0, **fleet: Any) -> tuple[EngineConfig, GatewayConfig]:
     """The replicas' engine (stage 09's defaults, but no speculative decoding: a shorter start-up; ``kv_cache_mb``
     its pool, 0 the default) and the fleet (``fleet``: GatewayConfig's fields). Every part runs at most 2 engines
-    at once: on a GPU, they share it, each with half of it for Ray and half of its share of free memory."""
+    at once: on a GPU, they share it, each replica with half of it for Ray and a pool of 0.45 of its half's memory
+    less its weights (``fleet.shared_kv_cache_mb``)."""
     cuda = args.device == "cuda"
     engine = EngineConfig(model=str(resolve_model(args.model)), device=args.device, dtype=args.dtype,
                           speculative="off", gpu_memory_utilization=0.45 if cuda else 0.9, kv_cache_mb=kv_cache_mb)
@@ -366,7 +393,8 @@ def system_prompt(desk: int, tokens: int) -> str:
 
 
 def routers(args: argparse.Namespace) -> dict[str, Any]:
-    """The shared-prefix workload, once per router, each on a fresh fleet of 2 replicas."""
+    """The shared-prefix workload, once per router without a queue at the gateway and once with one, each run on
+    a fresh fleet of 2 replicas."""
     load: RoutersLoad = args.load
     engine, _ = configs(args, kv_cache_mb=load.kv_cache_mb)
     model = served_name(engine.model)
@@ -375,55 +403,78 @@ def routers(args: argparse.Namespace) -> dict[str, Any]:
     bodies = [chat_body(model, question, load.max_tokens, system) for question in QUESTIONS[:load.questions]
               for system in systems]
     order = ["prefix", "pow2"] if args.first == "prefix" else ["pow2", "prefix"]
-    runs = {}
-    for router in order:
-        _, fleet = configs(args, kv_cache_mb=load.kv_cache_mb, router=router, min_replicas=2, max_replicas=2,
-                           replica_cpus=1)
-        with fleet_running(model_specs(engine, fleet, None), fleet) as url:
-            runs[router] = asyncio.run(measure_all(url, bodies, load.clients))
-        run = runs[router]
-        print(f"{router}: prefix cache hits {percent(run['prefix_cache_hit_rate'])}, TTFT {ms(run['ttft_s'])}, "
-              f"{run['output_tokens_per_s']:.1f} tokens/s, requests per replica {list(run['per_replica'].values())}, "
-              f"errors {run['errors']}", flush=True)
+    runs = {router: router_run(args, engine, bodies, router, queued=False) for router in order}
+    queued_runs = {router: router_run(args, engine, bodies, router, queued=True) for router in order}
     return {"workload": {**asdict(load), "system_prompt_texts": systems, "question_texts": QUESTIONS[:load.questions]},
-            "order": order, "runs": runs}
+            "order": order, "runs": runs, "queued_runs": queued_runs}
 
 
-async def measure_all(url: str, bodies: list[dict[str, Any]], concurrency: int) -> dict[str, Any]:
+def router_run(args: argparse.Namespace, engine: EngineConfig, bodies: list[dict[str, Any]], router: str,
+               queued: bool) -> dict[str, Any]:
+    """The requests through ``router`` on a fresh fleet of 2 replicas; ``queued``: with fewer slots than clients."""
+    load: RoutersLoad = args.load
+    slots = {"max_ongoing_requests": load.queued_slots} if queued else {}
+    _, fleet = configs(args, kv_cache_mb=load.kv_cache_mb, router=router, min_replicas=2, max_replicas=2,
+                       replica_cpus=1, **slots)
+    clients = load.queued_clients if queued else load.clients
+    with fleet_running(model_specs(engine, fleet, None), fleet) as url:
+        run = asyncio.run(measure_all(url, served_name(engine.model), bodies, clients))
+    run["slots"] = 2 * fleet.max_ongoing_requests
+    print(f"{router}, {clients} clients on {run['slots']} slots: prefix cache hits "
+          f"{percent(run['prefix_cache_hit_rate'])}, TTFT {ms(run['ttft_s'])}, {run['output_tokens_per_s']:.1f} "
+          f"tokens/s, requests per replica {list(run['per_replica'].values())}, at most {run['most_in_flight']} in "
+          f"flight, errors {run['errors']}", flush=True)
+    return run
+
+
+async def measure_all(url: str, model: str, bodies: list[dict[str, Any]], concurrency: int) -> dict[str, Any]:
+    """The requests, ``concurrency`` at a time, and the most of them in flight at the gateway meanwhile (beyond
+    the replicas' slots, they wait at the gateway)."""
+    samples: list[dict[str, Any]] = []
+    done = asyncio.Event()
     async with new_client(url, concurrency) as client:
         t0 = time.perf_counter()
+        poller = asyncio.create_task(poll_health(client, model, t0, done, samples))
         answers = await send_all(client, bodies, concurrency, t0)
-        return summarize(answers, time.perf_counter() - t0)
+        wall_s = time.perf_counter() - t0
+        done.set()
+        await poller
+    return summarize(answers, wall_s) | {"most_in_flight": max((s["in_flight"] for s in samples), default=0)}
 
 
 def plot_routers(result: dict[str, Any], out: Path) -> None:
-    runs = result["runs"]
-    fig = Figure(figsize=(13, 4), layout="constrained")
+    """Per router, a bar for each regime (no queue, a queue at the gateway): hit rate, TTFT, requests per replica."""
+    load = result["workload"]
+    regimes = {f"no queue ({load['clients']} clients)": result["runs"],
+               f"queue ({load['queued_clients']} clients, {2 * load['queued_slots']} slots)": result["queued_runs"]}
+    names = result["order"]
+    fig = Figure(figsize=(14, 4.5), layout="constrained")
     FigureCanvasAgg(fig)
     hits, ttft, replicas = fig.subplots(1, 3)
-    names = list(runs)
-    hits.bar(names, [100 * runs[name]["prefix_cache_hit_rate"] for name in names], color=["C0", "C1"])
-    hits.set(title="Prefix-cache hit rate", ylabel="% of prompt tokens cached", ylim=(0, 100))
-    for i, stat in enumerate(("p50", "p90")):
-        ttft.bar(np.arange(len(names)) + 0.4 * i, [1000 * runs[name]["ttft_s"][stat] for name in names], 0.4,
-                 label=stat, color=f"C{i + 2}")
-    ttft.set_xticks(np.arange(len(names)) + 0.2, names)
-    ttft.set(title="Time to first token", ylabel="ms")
-    ttft.legend()
-    for i, name in enumerate(names):
-        counts = list(runs[name]["per_replica"].values())
-        bottom = 0
-        for j, count in enumerate(counts):
-            replicas.bar(i, count, bottom=bottom, color=f"C{i}", alpha=1 - 0.4 * j, edgecolor="white")
-            bottom += count
-    replicas.set_xticks(range(len(names)), names)
-    replicas.set(title="Requests per replica (stacked)", ylabel="requests")
+    width = 0.8 / len(regimes)
+    for i, (regime, runs) in enumerate(regimes.items()):
+        x = np.arange(len(names)) + width * i
+        hits.bar(x, [100 * runs[name]["prefix_cache_hit_rate"] for name in names], width, label=regime,
+                 color=f"C{i}")
+        ttft.bar(x, [1000 * runs[name]["ttft_s"]["p50"] for name in names], width, label=f"p50, {regime}",
+                 color=f"C{i}")
+        ttft.scatter(x, [1000 * runs[name]["ttft_s"]["p90"] for name in names], marker="_", s=400, color="black",
+                     label="p90" if i == 0 else None, zorder=3)
+        for k, name in enumerate(names):
+            bottom = 0
+            for j, count in enumerate(runs[name]["per_replica"].values()):  # the busier replica below
+                replicas.bar(x[k], count, width, bottom=bottom, color=f"C{i}", alpha=1 - 0.4 * j, edgecolor="white",
+                             label=regime if k == j == 0 else None)
+                bottom += count
     for ax in (hits, ttft, replicas):
+        ax.set_xticks(np.arange(len(names)) + width * (len(regimes) - 1) / 2, names)
         ax.grid(True, axis="y", alpha=0.3)
-    load = result["workload"]
+        ax.legend(fontsize=8)
+    hits.set(title="Prefix-cache hit rate", ylabel="% of prompt tokens cached", ylim=(0, 100))
+    ttft.set(title="Time to first token", ylabel="ms")
+    replicas.set(title="Requests per replica (stacked)", ylabel="requests")
     fig.suptitle(f"Routers on 2 replicas: {load['system_prompts']} system prompts of ~{load['system_tokens']} tokens, "
-                 f"{load['questions']} questions each, {load['clients']} clients ({result['device']}; "
-                 f"{result['order'][0]} ran first)")
+                 f"{load['questions']} questions each ({result['device']}; {names[0]} ran first in each regime)")
     fig.savefig(out, dpi=110)
 
 
@@ -683,12 +734,105 @@ def hop_stats(records: list[RequestRecord]) -> dict[str, Stats]:
     return {key: Stats.of([getattr(record, key) for record in ok]) for key in ("ttft_s", "itl_s", "e2e_s")}
 
 
+# --- flood -------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Probe:
+    """One /health probe; ``sent_s`` from the start of the run."""
+
+    sent_s: float
+    seconds: float | None = None  # None: unanswered (the connection failed, or past probe_timeout_s)
+    status: int | None = None
+    snapshot_age_s: float | None = None  # how old the gateway's view of the fleet was, when it says
+
+
+def flood(args: argparse.Namespace) -> dict[str, Any]:
+    """Thousands of requests at once on 2 to 3 replicas while /health is probed every 0.2 s, as a liveness probe
+    would: a probe of 1 to 2 s timeout restarts a gateway that does not answer in time."""
+    load: FloodLoad = args.load
+    raise_open_files(2 * load.requests + 256)
+    engine, fleet = configs(args, min_replicas=2, max_replicas=3, max_queued_requests=load.max_queued_requests)
+    model = served_name(engine.model)
+    with fleet_running(model_specs(engine, fleet, None), fleet) as url:
+        answers, probes, flood_s = asyncio.run(flood_and_probe(url, model, load))
+    requests = summarize(answers, flood_s)
+    begin = load.lead_in_s
+    health = {"idle": probe_stats([p for p in probes if p.sent_s < begin]),
+              "flood": probe_stats([p for p in probes if begin <= p.sent_s <= begin + flood_s])}
+    during = health["flood"]
+    print(f"{load.requests} requests at once: {requests['complete']} answered, errors {requests['errors']} in "
+          f"{flood_s:.0f} s; /health during the flood: {during['probes']} probes, slowest "
+          f"{during['slowest_s']:.2f} s, p99 {during['p99_s']:.2f} s, p50 {during['p50_s']:.3f} s, "
+          f"{during['over_1s']} over 1 s, {during['unanswered']} unanswered", flush=True)
+    return {"workload": asdict(load), "gateway": asdict(fleet), "requests": requests, "health": health,
+            "probes": [[round(p.sent_s, 2), None if p.seconds is None else round(p.seconds, 4), p.status,
+                        p.snapshot_age_s] for p in probes]}
+
+
+async def flood_and_probe(url: str, model: str, load: FloodLoad) -> tuple[list[Answer], list[Probe], float]:
+    """Probes from the start, the flood after ``lead_in_s``; every answer, every probe, the flood's seconds."""
+    stop = threading.Event()
+    t0 = time.perf_counter()
+    # The prober has a thread and an event loop of its own: the flood's thousands of streams in this loop must not
+    # delay the reading of a probe's answer (a load balancer's probes come from another machine).
+    prober = asyncio.create_task(asyncio.to_thread(probe_health, url, load, t0, stop))
+    await asyncio.sleep(load.lead_in_s)
+    bodies = [chat_body(model, QUESTIONS[i % len(QUESTIONS)], load.max_tokens) for i in range(load.requests)]
+    async with new_client(url, load.requests) as client:
+        started = time.perf_counter()
+        answers = await send_all(client, bodies, load.requests, t0)
+        flood_s = time.perf_counter() - started
+    stop.set()
+    return answers, await prober, flood_s
+
+
+def probe_health(url: str, load: FloodLoad, t0: float, stop: threading.Event) -> list[Probe]:
+    """A /health every ``probe_period_s`` until ``stop``, each on a new connection (as a load balancer's probe) and
+    none waiting for the one before."""
+
+    async def one(client: httpx.AsyncClient, probe: Probe) -> None:
+        try:
+            response = await client.get("/health")
+        except httpx.HTTPError:
+            return
+        probe.seconds, probe.status = time.perf_counter() - t0 - probe.sent_s, response.status_code
+        with suppress(ValueError, AttributeError):  # an answer that is no JSON object says no age
+            probe.snapshot_age_s = response.json().get("snapshot_age_s")
+
+    async def probing() -> list[Probe]:
+        probes: list[Probe] = []
+        limits = httpx.Limits(max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=url, limits=limits, timeout=load.probe_timeout_s) as client:
+            running = []
+            while not stop.is_set():
+                probes.append(Probe(sent_s=time.perf_counter() - t0))
+                running.append(asyncio.create_task(one(client, probes[-1])))
+                await asyncio.sleep(load.probe_period_s)
+            await asyncio.gather(*running)
+        return probes
+
+    return asyncio.run(probing())
+
+
+def probe_stats(probes: list[Probe]) -> dict[str, Any]:
+    """The probes' seconds: slowest, p99, p50, how many over 1 s and 2 s; the unanswered; the answers by status."""
+    seconds = [p.seconds for p in probes if p.seconds is not None]
+    p50, p99 = np.percentile(seconds, [50, 99]) if seconds else (float("nan"), float("nan"))
+    ages = [p.snapshot_age_s for p in probes if p.snapshot_age_s is not None]
+    return {"probes": len(probes), "unanswered": len(probes) - len(seconds),
+            "by_status": dict(Counter(str(p.status) for p in probes if p.status is not None)),
+            "slowest_s": max(seconds, default=float("nan")), "p99_s": float(p99), "p50_s": float(p50),
+            "over_1s": sum(s > 1 for s in seconds), "over_2s": sum(s > 2 for s in seconds),
+            "oldest_snapshot_s": max(ages, default=None)}
+
+
 # --- the command line --------------------------------------------------------------------------------------------
 
 
 PARTS: dict[str, tuple[Callable[[argparse.Namespace], dict[str, Any]], Callable[[dict[str, Any], Path], None] | None]]
 PARTS = {"routers": (routers, plot_routers), "autoscale": (autoscale, plot_autoscale),
-         "streams": (streams, plot_streams), "hop": (hop, None)}
+         "streams": (streams, plot_streams), "hop": (hop, None), "flood": (flood, None)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -707,10 +851,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             part.add_argument("--system-prompts", type=int, help="distinct system prompts (default: 16; --quick: 8)")
         if name == "streams":
             part.add_argument("--clients", type=int, help="streams at once (default: 2000; --quick: 200)")
+        if name == "flood":
+            part.add_argument("--requests", type=int, help="requests at once (default: 3000; --quick: 600)")
     args = parser.parse_args(argv)
     args.load = (QUICK if args.quick else FULL)[args.part]
     if getattr(args, "clients", None):
         args.load = replace(args.load, clients=args.clients)
+    if getattr(args, "requests", None):
+        args.load = replace(args.load, requests=args.requests)
     if getattr(args, "system_prompts", None):
         args.load = replace(args.load, system_prompts=args.system_prompts)
     return args

@@ -31,8 +31,9 @@ class GatewayConfig:
     replica_cpus: float = field(default=1.0, metadata={
         "help": "CPUs Ray reserves for each replica (fractions allowed); its PyTorch threads: this, rounded up"})
     replica_gpus: float = field(default=0.0, metadata={
-        "help": "GPUs Ray gives each replica (a fraction: replicas share one GPU, each with its share of "
-                "--gpu-memory-utilization); 0: Ray hides the GPUs from the replicas, which run on CPUs"})
+        "help": "GPUs Ray gives each replica; a fraction shares one GPU (0.25: 4 replicas), and each replica's KV "
+                "pool is then --gpu-memory-utilization of its fraction of the GPU's memory, less its weights "
+                "(unless --kv-cache-mb sets it); 0: Ray hides the GPUs from the replicas, which run on CPUs"})
     max_ongoing_requests: int = field(default=96, metadata={
         "help": "requests one replica holds at once (its batch and a short queue); the rest wait at the gateway"})
     max_queued_requests: int = field(default=4096, metadata={

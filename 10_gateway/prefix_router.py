@@ -11,12 +11,26 @@ blocks there, so that each prefix lives on one replica and the fleet's caches ad
 Affinity alone would pile every request of a popular prefix on one replica. The load guard keeps the
 choice honest: draw two other replicas at random (the power of two choices) and if the preferred one
 holds more than ``imbalance`` requests beyond the less loaded of the two, go there instead. That replica
-then holds the prefix too, and later requests spread over both.
+then holds the prefix too, and later requests spread over both. The loads are what Ray Serve counts for each
+replica, never more than its ``max_ongoing_requests``: the guard can move a request off a full owner only if
+``imbalance`` is smaller than that (16 against 96, by default).
 
 The gateway computes the hashes (it has the tokenizer) and passes them as the ``prefix_hashes`` keyword of
 the call; the router, which runs in the gateway's process inside Ray Serve, reads them from the pending
-request and ranks the replicas. Ray Serve does the rest: it asks the first-ranked replica whether it has
-room (``max_ongoing_requests``), tries the next rank if not, and queues the request when none has.
+request and ranks the replicas. Ray Serve does the rest: it asks the replicas of the first rank whether they
+have room (``max_ongoing_requests``), tries the next rank if none has, and keeps the request waiting at the
+gateway, asking again, when no rank has room. The owner of a prompt's first blocks is its only rank: the
+request waits for that replica rather than prefill its prompt on another, unless the load guard says the
+wait is too long. A request without an owner (no match, or the guard moved it) takes any replica with room,
+the less loaded first.
+
+When requests wait at the gateway, which replica each one gets is a second decision, and Ray Serve makes it
+outside ``choose_replicas``: a routing task that found a replica with room hands it to a waiting request in
+``_fulfill_next_pending_request``. The base ``RequestRouter`` hands it to the very request it ranked the
+replicas for (matched by ``internal_request_id``). ``FIFOMixin`` overrides that to hand it to the oldest
+waiting request, whatever its prompt: right for the power of two choices, for which any replica with room
+is as good as another, wrong for this router, whose choice is about the prompt. This router leaves the mixin
+out, as Ray's own ``PrefixCacheAffinityRouter`` (ray.llm) does.
 """
 
 from __future__ import annotations
@@ -26,7 +40,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 DEFAULT_IMBALANCE = 16
 DEFAULT_CAPACITY = 100_000  # block hashes remembered (32 bytes each, with their owner: a few MB)
@@ -96,8 +110,9 @@ def prefer(hashes: Sequence[bytes], owners: PrefixOwners, loads: Mapping[Hashabl
     ### END SOLUTION
 
 
-class PrefixAwareRouter(FIFOMixin, RequestRouter):
-    """A Ray Serve request router that ranks first the replica ``prefer`` picks, then every other one."""
+class PrefixAwareRouter(RequestRouter):
+    """A Ray Serve request router that ranks first the replica ``prefer`` picks. Without ``FIFOMixin``: a
+    replica found for one request's prompt goes to that request, not to the oldest one waiting."""
 
     def initialize_state(self, imbalance: int = DEFAULT_IMBALANCE, capacity: int = DEFAULT_CAPACITY,
                          seed: int | None = None) -> None:
@@ -107,17 +122,33 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        """The ranks Ray Serve tries in turn, each a list of replicas (it takes the less loaded of a rank's
+        replicas that have room). ``"prefix"``: the owner alone, the request waits for it. Otherwise the
+        replica ``prefer`` picked, then every other candidate, the less loaded first. Ray Serve calls this
+        again after each round in which no rank had room, so a request waiting for its owner is moved as soon
+        as the load guard says so."""
         if not candidate_replicas:
             return []
+        if pending_request is not None:
+            # Ray Serve sleeps between two rounds without room only if the router asks it to (its locality and
+            # multiplex mixins do, this router has neither): otherwise its routing tasks probe the full replicas
+            # without pause, thousands of times a second, and take the CPU the replicas decode with.
+            pending_request.routing_context.should_backoff = True
+        ### BEGIN SOLUTION 10.4
         by_id = {replica.replica_id: replica for replica in candidate_replicas}
-        # What this router last heard of each replica's queue (it updates on every send and every probe).
+        # What this router last heard of each replica's requests (it updates on every send and every probe);
+        # None: nothing recent, counted as idle.
         loads = {rid: self.replica_queue_len_cache.get(rid) or 0 for rid in by_id}
-        first, _ = prefer(prefix_hashes(pending_request), self.owners, loads, self.imbalance, self.rng)
-        rest = sorted((r for rid, r in by_id.items() if rid != first), key=lambda r: loads[r.replica_id])
-        return [[by_id[first]], rest] if rest else [[by_id[first]]]
+        first, reason = prefer(prefix_hashes(pending_request), self.owners, loads, self.imbalance, self.rng)
+        if reason == "prefix":
+            return [[by_id[first]]]
+        rest = sorted((replica for rid, replica in by_id.items() if rid != first),
+                      key=lambda replica: loads[replica.replica_id])
+        return [[by_id[first]], rest]
+        ### END SOLUTION
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        """Wherever the request went (the first rank, or another when the first had no room), that replica
+        """Wherever the request went (its owner, or any replica with room when it had none), that replica
         now holds its prefix."""
         self.owners.record(prefix_hashes(pending_request), replica_id)
 

@@ -7,7 +7,9 @@ error object and every stream is stage 09's own, and a client that leaves the ga
 well (its stream is cancelled, the engine drops the request and frees its blocks).
 
 It also tells Ray Serve what only it knows: how many requests wait in its scheduler and how many it is
-generating for (``record_autoscaling_stats``, which the autoscaling policy reads).
+generating for (``record_autoscaling_stats``, which the autoscaling policy reads), and tells the gateway everything
+its stage 09 server's /metrics would show (``report``, which the gateway's /metrics shows for the whole fleet).
+What it sends the gateway is defined in messages.py, which the gateway can import without loading PyTorch.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import suppress
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -28,18 +30,10 @@ from common.device import build_off_the_main_thread
 from .async_engine import AsyncEngine
 from .config import EngineConfig
 from .engine import Engine
+from .messages import EngineReport, ResponseStart
 from .server import create_app
 
 log = logging.getLogger("llm-course")
-
-
-@dataclass(frozen=True)
-class ResponseStart:
-    """The first thing a replica's answer carries: the HTTP status and the headers of the stage 09 app."""
-
-    status: int
-    headers: list[tuple[str, str]]
-    replica: str  # which replica answered (the gateway passes it on as the x-replica header)
 
 
 class ModelReplica:
@@ -73,6 +67,11 @@ class ModelReplica:
         stats = self.engine.stats()
         return {"replica": self.replica, "alive": self.engine.alive, **asdict(stats),
                 "prefix_cache_hit_rate": stats.prefix_cache.hit_rate}
+
+    def report(self) -> EngineReport:
+        """Every metric of this replica's stage 09 server, as its /metrics would show them now: the gateway asks each
+        replica every second (``FleetView.refresh_engines``) and shows them all on its own /metrics."""
+        return EngineReport(self.replica, list(self.engine.metrics.registry.collect()))
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         stats = self.engine.stats()

@@ -17,10 +17,37 @@ from typing import Literal
 Size = Literal["small", "large"]
 
 # Words that ask for reasoning rather than recall or small talk. A real gateway would use a trained
-# classifier (RouteLLM's, for instance); a list of markers is the version a reader can check by hand.
-HARD_MARKERS = ("prove", "proof", "derive", "step by step", "explain why", "why does", "analyze", "analyse",
-                "compare", "trade-off", "algorithm", "complexity", "debug", "refactor", "optimize", "calculate")
-MARKER = re.compile("|".join(re.escape(marker) for marker in HARD_MARKERS))
+# classifier (RouteLLM's, for instance); a list of markers is the version a reader can check by hand, so every
+# form that counts is written out. One marker per idea, with the forms a question uses: a verb's -s, past and -ing
+# forms, a noun's plural, the noun a verb makes (proof, derivation, analysis), both spellings. Nothing else: a
+# marker is found as whole words, never inside another word. A phrase is found word by word, so "step-by-step"
+# and "step by step" are one.
+HARD_MARKERS: tuple[tuple[str, ...], ...] = (
+    ("prove", "proves", "proved", "proven", "proving", "proof", "proofs"),
+    ("derive", "derives", "derived", "deriving", "derivation", "derivations"),
+    ("step by step",),
+    ("explain why",),
+    ("why does",),
+    ("analyze", "analyzes", "analyzed", "analyzing", "analyse", "analyses", "analysed", "analysing", "analysis"),
+    ("compare", "compares", "compared", "comparing", "comparison", "comparisons"),
+    ("trade-off", "trade-offs", "tradeoff", "tradeoffs"),
+    ("algorithm", "algorithms"),
+    ("complexity",),
+    ("debug", "debugs", "debugged", "debugging"),
+    ("refactor", "refactors", "refactored", "refactoring"),
+    ("optimize", "optimizes", "optimized", "optimizing", "optimise", "optimises", "optimised", "optimising",
+     "optimization", "optimisation"),
+    ("calculate", "calculates", "calculated", "calculating", "calculation", "calculations"),
+)
+WORD = re.compile(r"[^\W_]+")  # a run of letters and digits: spaces, punctuation and hyphens end a word
+
+
+def words(text: str) -> str:
+    """The text's words, lower-cased, each between single spaces: " step by step " for "Step-by-step!"."""
+    return " " + " ".join(WORD.findall(text.lower())) + " "
+
+
+MARKER_WORDS = tuple(tuple(words(form) for form in marker) for marker in HARD_MARKERS)
 
 
 @dataclass(frozen=True)
@@ -37,8 +64,10 @@ class Route:
 
 
 def hardness(text: str) -> int:
-    """How many of the markers of reasoning the text holds, each counted once."""
-    return len(set(MARKER.findall(text.lower())))
+    """How many of the markers of reasoning the text holds, each counted once, whichever of its forms and however
+    often. Whole words only: "improve" holds no "prove", "waterproof" no "proof"."""
+    text_words = words(text)
+    return sum(any(form in text_words for form in forms) for forms in MARKER_WORDS)
 
 
 def choose_size(prompt_tokens: int, max_tokens: int | None, text: str, rule: DifficultyRule) -> Route:
