@@ -213,10 +213,10 @@ def _rotary_and_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v
     heads = tl.arange(0, HEADS_PAD)
     in_heads = heads < NUM_HEADS
     q1, q2 = _rotate(row, heads, in_heads, offs, in_half, cos, sin, HEAD_DIM)
-    mask = in_heads[:, None] & in_half[None, :]
+    q_mask = in_heads[:, None] & in_half[None, :]
     q_row = q_ptr + token * (NUM_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + offs[None, :]
-    tl.store(q_row, q1.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(q_row + half, q2.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(q_row, q1.to(q_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(q_row + half, q2.to(q_ptr.dtype.element_ty), mask=q_mask)
 
     # The key heads rotated, the value heads as they are, into the token's slot of the pools ([N * S, Hkv, D]
     # seen flat): nothing at all for slot -1, a padding row.
@@ -224,14 +224,15 @@ def _rotary_and_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v
     if slot >= 0:
         kv_heads = tl.arange(0, KV_HEADS_PAD)
         in_kv = kv_heads < NUM_KV_HEADS
-        mask = in_kv[:, None] & in_half[None, :]
+        # A name of its own: Triton types a variable once, and the query heads' mask has another shape.
+        kv_mask = in_kv[:, None] & in_half[None, :]
         dst = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_heads[:, None] * HEAD_DIM + offs[None, :]
         k1, k2 = _rotate(row + NUM_HEADS * HEAD_DIM, kv_heads, in_kv, offs, in_half, cos, sin, HEAD_DIM)
-        tl.store(k_cache_ptr + dst, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(k_cache_ptr + dst + half, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(k_cache_ptr + dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(k_cache_ptr + dst + half, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
         v = row + (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM + kv_heads[:, None] * HEAD_DIM + offs[None, :]
-        tl.store(v_cache_ptr + dst, tl.load(v, mask=mask), mask=mask)
-        tl.store(v_cache_ptr + dst + half, tl.load(v + half, mask=mask), mask=mask)
+        tl.store(v_cache_ptr + dst, tl.load(v, mask=kv_mask), mask=kv_mask)
+        tl.store(v_cache_ptr + dst + half, tl.load(v + half, mask=kv_mask), mask=kv_mask)
 
 
 def rotary_and_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
