@@ -443,6 +443,10 @@ def demo(url: str, specs: list[ModelSpec], fleet: GatewayConfig, max_tokens: int
 def main() -> None:
     parser = stage_parser(__package__, EngineConfig)
     add_config_args(parser, GatewayConfig)
+    parser.add_argument("--health-port", type=int, default=None,
+                        help="serve /health also on this port, from this process, apart from the requests' path "
+                             "(point a liveness probe there: a flood on --port does not delay it); default: --port "
+                             "+ 1; 0: none")
     args = parser.parse_args()
     engine = config_from_args(EngineConfig, args)
     fleet = GatewayConfig(**{name: getattr(args, name) for name in GatewayConfig.__dataclass_fields__})
@@ -460,8 +464,10 @@ def main() -> None:
           f"router: {fleet.router}; autoscaling past {fleet.target_queue_depth} waiting requests per replica")
     started = time.perf_counter()
     try:
-        url = start(specs, fleet, args.host, args.port)
-        print(f"The gateway serves {url} (started in {time.perf_counter() - started:.1f} s)")
+        health_port = args.port + 1 if args.health_port is None else args.health_port
+        url = start(specs, fleet, args.host, args.port, health_port or None)
+        print(f"The gateway serves {url} (started in {time.perf_counter() - started:.1f} s)"
+              + (f"; liveness probes: http://{args.host}:{health_port}/health" if health_port else ""))
         if args.demo:
             demo(url, specs, fleet, args.max_tokens)
             return

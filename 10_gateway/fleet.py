@@ -29,9 +29,11 @@ from common.weights import resolve_model
 
 from .autoscaling import QueueDepthPolicy
 from .config import EngineConfig
+from .fleet_view import FleetView
 from .gateway import Gateway, ServedModel
 from .gateway_config import GatewayConfig
 from .prefix_router import PrefixAwareRouter
+from .probe_server import ProbeServer, wait_first_snapshot
 from .replica import ModelReplica
 from .routing import DifficultyRule, Size
 
@@ -162,13 +164,20 @@ def cpus_needed(specs: list[ModelSpec], fleet: GatewayConfig) -> float:
     return sum(replica_bounds(spec, fleet)[1] for spec in specs) * fleet.replica_cpus
 
 
-def start(specs: list[ModelSpec], fleet: GatewayConfig, host: str = "127.0.0.1", port: int = 8010) -> str:
+PROBE_SERVERS: list[ProbeServer] = []  # the side ports that ``start`` opened, closed by ``stop``
+
+
+def start(specs: list[ModelSpec], fleet: GatewayConfig, host: str = "127.0.0.1", port: int = 8010,
+          health_port: int | None = None) -> str:
     """Start Ray (here, unless RAY_ADDRESS names a cluster), deploy the fleet, wait until every model has its
     minimum of replicas; the gateway's URL.
 
     On one machine, Ray is told of at least as many CPUs as the fleet may reserve: on a laptop the replicas
     then share its cores (the course's CPU measurements say what that costs); on a cluster, Ray's own
-    count of each machine's CPUs (or GPUs) is what places replicas."""
+    count of each machine's CPUs (or GPUs) is what places replicas.
+
+    With ``health_port``, /health is also served on that port, from this process (probe_server.py): the probe path
+    that a flood of requests on ``port`` does not share."""
     if not ray.is_initialized():
         local = "RAY_ADDRESS" not in os.environ
         num_cpus = max(os.cpu_count() or 1, math.ceil(cpus_needed(specs, fleet))) if local else None
@@ -177,10 +186,23 @@ def start(specs: list[ModelSpec], fleet: GatewayConfig, host: str = "127.0.0.1",
                  log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": IMPORT_PATHS}})
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_app(specs, fleet), name=APP_NAME, route_prefix="/")
+    if health_port is not None:
+        start_probe_server(specs, host, health_port)
     return f"http://{host}:{port}"
 
 
+def start_probe_server(specs: list[ModelSpec], host: str, port: int) -> ProbeServer:
+    """/health on ``port``, from a snapshot this process refreshes itself (it needs no handle: replicas only)."""
+    view = FleetView({spec.name: deployment_name(spec.name) for spec in specs}, {})
+    server = ProbeServer(view, {spec.name: spec.size for spec in specs}, host, port)
+    wait_first_snapshot(view)
+    PROBE_SERVERS.append(server)
+    return server
+
+
 def stop() -> None:
-    """Every replica, the gateway, Serve's controller and proxy, then Ray itself."""
+    """The probe port, every replica, the gateway, Serve's controller and proxy, then Ray itself."""
+    while PROBE_SERVERS:
+        PROBE_SERVERS.pop().close()
     serve.shutdown()
     ray.shutdown()

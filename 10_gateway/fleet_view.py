@@ -16,7 +16,8 @@ delays only the next refresh of its kind, never a probe.
 What a snapshot cannot do is let a probe jump the queue. A probe is an HTTP request like the others: it waits behind
 them in Ray Serve's proxy and in the gateway's event loop (each request costs the gateway's ingress calls back to
 the proxy, for its body and to learn when its client leaves). In a flood of thousands, that wait, not /health's own
-work, is what a probe takes (``gateway_bench.py flood``).
+work, is what a probe takes (``gateway_bench.py flood``): the probe port (probe_server.py) serves /health apart from
+that path, from a FleetView of its own that a thread refreshes.
 """
 
 from __future__ import annotations
@@ -71,7 +72,11 @@ class FleetView:
         return [asyncio.get_running_loop().create_task(every(REFRESH_S, refresh)) for refresh in refreshes]
 
     async def refresh_models(self) -> None:
-        details = await asyncio.to_thread(read_deployments)  # a blocking call to the controller: off the event loop
+        await asyncio.to_thread(self.read_models)  # a blocking call to the controller: off the event loop
+
+    def read_models(self) -> None:
+        """The replicas and settings of each model, read from the controller now (blocking)."""
+        details = read_deployments()
         self.models = {model: ModelFleet(replicas_of(details[name]), settings_of(details[name]["deployment_config"]))
                        for model, name in self.deployments.items() if name in details}
         self.taken = time.monotonic()

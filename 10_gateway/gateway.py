@@ -59,6 +59,7 @@ from .fleet_view import FleetCollector, FleetView, gauge
 from .gateway_config import ROUTING_BLOCKS
 from .messages import GENERATION_RESPONSES, ResponseStart, sse_event
 from .prefix_index import HashIndex
+from .probe_server import health_answer
 from .routing import DifficultyRule, Size, choose_size
 
 log = logging.getLogger("llm-course")
@@ -186,12 +187,9 @@ class Gateway:
         """200 while every model has a running replica (503 otherwise: a load balancer sends elsewhere). From the
         fleet's last snapshot, whose age it gives (``snapshot_age_s``; null before the first): it awaits nothing, so
         a probe is answered at once however busy the gateway is."""
-        models = {name: {"size": model.size, "replicas": self.fleet.replica_states(name),
-                         "in_flight": self.in_flight[name]} for name, model in self.models.items()}
-        down = [name for name, state in models.items() if not state["replicas"].get("RUNNING")]
-        status = f"no running replica of {', '.join(down)}" if down else "ok"
-        return JSONResponse({"status": status, "models": models, "snapshot_age_s": self.fleet.age_s()},
-                            status_code=503 if down else 200)
+        body, status = health_answer(self.fleet, {name: model.size for name, model in self.models.items()},
+                                     self.in_flight)
+        return JSONResponse(body, status_code=status)
 
     @app.get("/metrics")
     async def metrics_text(self) -> Response:  # (not `metrics`: the instance's `metrics` is its GatewayMetrics)

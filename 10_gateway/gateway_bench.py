@@ -33,8 +33,9 @@ its load through the gateway's OpenAI endpoint as streaming chat requests, stops
   same engine, alternating between them; TTFT and inter-token latency, p50.
 - **flood**: far more requests at once than the fleet holds (3 replicas of 96 slots, 256 queued at the
   gateway), so that most are refused at once with 503: the gateway's busiest moment. Meanwhile a liveness
-  probe's ``/health`` every 0.2 s, each on a new connection and none waiting for the one before: the
-  slowest, p99 and p50 probe, against the 1 s a probe may take, and what the requests got.
+  probe's ``/health`` every 0.2 s on each of two paths, the main port and the probe port (``--health-port``,
+  probe_server.py), each on a new connection and none waiting for the one before: the slowest, p99 and p50
+  probe of each, against the 1 s a probe may take, and what the requests got.
 """
 
 from __future__ import annotations
@@ -347,11 +348,12 @@ def ms(stats: dict[str, float] | None) -> str:
 
 
 @contextmanager
-def fleet_running(specs: list[ModelSpec], fleet: GatewayConfig) -> Iterator[str]:
-    """The fleet, started for the block (its URL), stopped after it whatever happens; Ray with it."""
+def fleet_running(specs: list[ModelSpec], fleet: GatewayConfig, health_port: int | None = None) -> Iterator[str]:
+    """The fleet, started for the block (its URL), stopped after it whatever happens; Ray with it. With
+    ``health_port``, /health on that port too (probe_server.py)."""
     started = time.perf_counter()
     try:
-        url = start(specs, fleet, port=free_port())
+        url = start(specs, fleet, port=free_port(), health_port=health_port)
         print(f"Fleet up at {url} in {time.perf_counter() - started:.0f} s: "
               f"{', '.join(spec.name for spec in specs)}; {fleet.min_replicas} to {fleet.max_replicas} replicas "
               f"each, router {fleet.router}", flush=True)
@@ -754,29 +756,43 @@ def flood(args: argparse.Namespace) -> dict[str, Any]:
     raise_open_files(2 * load.requests + 256)
     engine, fleet = configs(args, min_replicas=2, max_replicas=3, max_queued_requests=load.max_queued_requests)
     model = served_name(engine.model)
-    with fleet_running(model_specs(engine, fleet, None), fleet) as url:
-        answers, probes, flood_s = asyncio.run(flood_and_probe(url, model, load))
+    health_port = free_port()
+    with fleet_running(model_specs(engine, fleet, None), fleet, health_port) as url:
+        side = f"http://127.0.0.1:{health_port}"
+        answers, probes, flood_s = asyncio.run(flood_and_probe(url, side, model, load))
     requests = summarize(answers, flood_s)
     begin = load.lead_in_s
-    health = {"idle": probe_stats([p for p in probes if p.sent_s < begin]),
-              "flood": probe_stats([p for p in probes if begin <= p.sent_s <= begin + flood_s])}
-    during = health["flood"]
+    health = {path: {"idle": probe_stats([p for p in probes[path] if p.sent_s < begin]),
+                     "flood": probe_stats([p for p in probes[path] if begin <= p.sent_s <= begin + flood_s])}
+              for path in probes}
     print(f"{load.requests} requests at once: {requests['complete']} answered, errors {requests['errors']} in "
-          f"{flood_s:.0f} s; /health during the flood: {during['probes']} probes, slowest "
-          f"{during['slowest_s']:.2f} s, p99 {during['p99_s']:.2f} s, p50 {during['p50_s']:.3f} s, "
-          f"{during['over_1s']} over 1 s, {during['unanswered']} unanswered", flush=True)
-    return {"workload": asdict(load), "gateway": asdict(fleet), "requests": requests, "health": health,
-            "probes": [[round(p.sent_s, 2), None if p.seconds is None else round(p.seconds, 4), p.status,
-                        p.snapshot_age_s] for p in probes]}
+          f"{flood_s:.0f} s", flush=True)
+    for path, stats in health.items():
+        during = stats["flood"]
+        print(f"  /health on the {path} port during the flood: {during['probes']} probes, slowest "
+              f"{during['slowest_s']:.2f} s, p99 {during['p99_s']:.2f} s, p50 {during['p50_s']:.3f} s, "
+              f"{during['over_1s']} over 1 s, {during['unanswered']} unanswered", flush=True)
+
+    def rows(probes: list[Probe]) -> list[list[Any]]:
+        return [[round(p.sent_s, 2), None if p.seconds is None else round(p.seconds, 4), p.status,
+                 p.snapshot_age_s] for p in probes]
+
+    # "health": the main port's /health (as before); "health_port": the probe port's (--health-port).
+    return {"workload": asdict(load), "gateway": asdict(fleet), "requests": requests, "health": health["main"],
+            "health_port": health["probe"], "probes": rows(probes["main"]),
+            "probes_health_port": rows(probes["probe"])}
 
 
-async def flood_and_probe(url: str, model: str, load: FloodLoad) -> tuple[list[Answer], list[Probe], float]:
-    """Probes from the start, the flood after ``lead_in_s``; every answer, every probe, the flood's seconds."""
+async def flood_and_probe(url: str, side: str, model: str,
+                          load: FloodLoad) -> tuple[list[Answer], dict[str, list[Probe]], float]:
+    """Probes from the start, the flood after ``lead_in_s``; every answer, every probe (of the main port's /health,
+    "main", and of the probe port's, "probe"), the flood's seconds."""
     stop = threading.Event()
     t0 = time.perf_counter()
-    # The prober has a thread and an event loop of its own: the flood's thousands of streams in this loop must not
+    # Each prober has a thread and an event loop of its own: the flood's thousands of streams in this loop must not
     # delay the reading of a probe's answer (a load balancer's probes come from another machine).
-    prober = asyncio.create_task(asyncio.to_thread(probe_health, url, load, t0, stop))
+    probers = {path: asyncio.create_task(asyncio.to_thread(probe_health, base, load, t0, stop))
+               for path, base in (("main", url), ("probe", side))}
     await asyncio.sleep(load.lead_in_s)
     bodies = [chat_body(model, QUESTIONS[i % len(QUESTIONS)], load.max_tokens) for i in range(load.requests)]
     async with new_client(url, load.requests) as client:
@@ -784,7 +800,7 @@ async def flood_and_probe(url: str, model: str, load: FloodLoad) -> tuple[list[A
         answers = await send_all(client, bodies, load.requests, t0)
         flood_s = time.perf_counter() - started
     stop.set()
-    return answers, await prober, flood_s
+    return answers, {path: await prober for path, prober in probers.items()}, flood_s
 
 
 def probe_health(url: str, load: FloodLoad, t0: float, stop: threading.Event) -> list[Probe]:

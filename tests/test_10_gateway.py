@@ -839,6 +839,39 @@ def test_health_answers_from_the_snapshot_without_asking_the_controller(model_di
     assert 0 <= health["snapshot_age_s"] < 60
 
 
+def test_probe_port_answers_health_while_the_gateway_is_blocked(model_dir, controller):
+    """The probe port (--health-port) serves the main port's /health, status and body (but ``in_flight``, the
+    ingress's count) from a snapshot of its own thread: it answers while the gateway's event loop is blocked, as a
+    flood blocks it, and turns 503 when the model has no running replica left."""
+    probe_server = stage(FOLDER, "probe_server")
+    controller["model-small"] = deployment_details({"r1": "RUNNING", "r2": "STARTING"})
+    view = stage(FOLDER, "fleet_view").FleetView({"small-model": "model-small"}, {})
+    server = probe_server.ProbeServer(view, {"small-model": "small"}, "127.0.0.1", 0)
+
+    async def run() -> tuple[dict, dict, int, float]:
+        gateway = await bare_gateway(model_dir, FakeHandle())
+        await gateway.fleet.refresh_models()
+        main = json.loads((await gateway.health()).body)
+        started = time.perf_counter()
+        side = httpx.get(server.url + "/health", timeout=5)  # a blocking call: the gateway's loop waits for it
+        return main, side.json(), side.status_code, time.perf_counter() - started
+
+    try:
+        probe_server.wait_first_snapshot(view)
+        main, side, status, seconds = asyncio.run(run())
+        assert status == 200 and seconds < 1
+        assert side == {**main, "models": {"small-model": {**main["models"]["small-model"], "in_flight": None}},
+                        "snapshot_age_s": side["snapshot_age_s"]}
+        controller["model-small"] = deployment_details({"r1": "STOPPING"})
+        deadline = time.monotonic() + 10
+        while (answer := httpx.get(server.url + "/health", timeout=5)).status_code == 200:
+            assert time.monotonic() < deadline, "the probe port's snapshot was not refreshed"
+            time.sleep(0.1)
+        assert answer.status_code == 503 and answer.json()["status"] == "no running replica of small-model"
+    finally:
+        server.close()
+
+
 def engine_report(replica_id: str, generated: int, hits: int):
     """A replica's report as ModelReplica.report makes it: its stage 09 metrics, with some counted."""
     metrics = stage(FOLDER, "metrics").Metrics()
