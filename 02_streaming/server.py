@@ -7,12 +7,10 @@ Each token travels engine thread -> asyncio queue -> SSE chunk as soon as it is 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import asdict
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -35,7 +33,6 @@ from common.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
-    ErrorResponse,
     ModelCard,
     ModelList,
     SamplingRequest,
@@ -53,17 +50,7 @@ from .detokenizer import IncrementalDetokenizer
 from .engine import EngineStopped, InvalidRequest
 from .sampler import SamplingParams
 from .sequence import RequestOutput
-
-# What the OpenAPI document says a generation route returns: JSON, or an SSE stream, or an error.
-# Each streamed event's data is a JSON chunk (or, after a failure, an error object), then "[DONE]".
-SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
-GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {"content": {"text/event-stream": {"schema": SSE_EVENT}}},
-    400: {"model": ErrorResponse, "description": "Invalid request"},
-    413: {"model": ErrorResponse, "description": "Request body too large"},
-    500: {"model": ErrorResponse, "description": "Generation failed"},
-    503: {"model": ErrorResponse, "description": "Overloaded (retry after Retry-After seconds) or engine stopped"},
-}
+from .sse import GENERATION_RESPONSES, sse_event
 
 
 def create_app(engine: AsyncEngine, model_name: str, limits: Limits | None = None,
@@ -226,12 +213,6 @@ def error_of(output: RequestOutput) -> APIError:
 
 
 # --- streaming -------------------------------------------------------------------------------
-
-
-def sse_event(payload: BaseModel | dict[str, Any]) -> str:
-    """One server-sent event: ``data: <json>`` and a blank line."""
-    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
-    return f"data: {data}\n\n"
 
 
 def sse_response(

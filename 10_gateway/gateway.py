@@ -57,10 +57,11 @@ from common.weights import load_tokenizer
 from . import TITLE
 from .fleet_view import FleetCollector, FleetView, gauge
 from .gateway_config import ROUTING_BLOCKS
-from .messages import GENERATION_RESPONSES, ResponseStart, sse_event
+from .messages import ResponseStart
 from .prefix_index import HashIndex
 from .probe_server import health_answer
 from .routing import DifficultyRule, Size, choose_size
+from .sse import GENERATION_RESPONSES, sse_event
 
 log = logging.getLogger("llm-course")
 AUTO = "auto"  # the model name that lets the gateway choose

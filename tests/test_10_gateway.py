@@ -956,13 +956,6 @@ def test_the_difficulty_rule_reads_the_users_words_only(model_dir, controller, m
     assert handle.bodies[0]["messages"] == body["messages"]  # the replica still gets the whole conversation
 
 
-def test_messages_are_stage_09s_own():
-    """The gateway's copies of server.py's OpenAPI responses and event framing (server.py imports the engine)."""
-    messages, server = stage(FOLDER, "messages"), stage(FOLDER, "server")
-    assert messages.GENERATION_RESPONSES == server.GENERATION_RESPONSES
-    assert messages.sse_event({"a": [1, "é"]}) == server.sse_event({"a": [1, "é"]})
-
-
 IMPORT_THE_GATEWAY = """
 import importlib, importlib.util, sys
 package, init, model = sys.argv[1:]
