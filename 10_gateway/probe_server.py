@@ -19,19 +19,14 @@ import logging
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Protocol
+from typing import Any
 
 from .fleet_view import REFRESH_S, FleetView
 
 log = logging.getLogger("llm-course")
 
 
-class Snapshot(Protocol):
-    def replica_states(self, model: str) -> dict[str, int]: ...
-    def age_s(self) -> float | None: ...
-
-
-def health_answer(view: Snapshot, sizes: dict[str, str],
+def health_answer(view: FleetView, sizes: dict[str, str],
                   in_flight: dict[str, int] | None = None) -> tuple[dict[str, Any], int]:
     """/health's body and status, on either port: every model by its replicas' states (and, from the ingress, its
     requests in flight), 503 while one has no running replica."""
@@ -43,10 +38,10 @@ def health_answer(view: Snapshot, sizes: dict[str, str],
 
 
 class ProbeServer:
-    """/health (and /-/healthz, the same) on ``host:port`` from ``view``, in a daemon thread; with ``refresh``,
-    ``view``'s replicas are read from the controller every REFRESH_S in another daemon thread."""
+    """/health (and /-/healthz, the same) on ``host:port`` from ``view``, in a daemon thread; ``view``'s replicas are
+    read from the controller every REFRESH_S in another daemon thread."""
 
-    def __init__(self, view: Snapshot, sizes: dict[str, str], host: str, port: int, refresh: bool = True) -> None:
+    def __init__(self, view: FleetView, sizes: dict[str, str], host: str, port: int) -> None:
         self.view, self.sizes = view, sizes
         self.stopping = threading.Event()
         server = self
@@ -70,14 +65,12 @@ class ProbeServer:
         self.http = ThreadingHTTPServer((host, port), Handler)
         self.http.daemon_threads = True
         self.url = f"http://{host}:{self.http.server_address[1]}"
-        self.threads = [threading.Thread(target=self.http.serve_forever, name="probe-server", daemon=True)]
-        if refresh and isinstance(view, FleetView):
-            self.threads.append(threading.Thread(target=self.refreshing, name="probe-refresh", daemon=True))
+        self.threads = [threading.Thread(target=self.http.serve_forever, name="probe-server", daemon=True),
+                        threading.Thread(target=self.refreshing, name="probe-refresh", daemon=True)]
         for thread in self.threads:
             thread.start()
 
     def refreshing(self) -> None:
-        assert isinstance(self.view, FleetView)
         while not self.stopping.is_set():
             try:
                 self.view.read_models()
