@@ -76,11 +76,12 @@ NO_GPU_NAME = "GPU-NAME"  # the dry run's stand-in for the folder named after th
 
 # Each command's timeout, in seconds. Most of a demo's or a sweep's time is starting up (imports, weights, Triton's
 # compilation, graph capture); each <part>.json records what every command took, to set these from. On an H200
-# (results/cuda/gpu-check/smoke.json, correctness.json): a stage's demo 17-23 s, under torchrun 27 s.
-DEMO_S = 35
+# (results/cuda/gpu-check/smoke.json, correctness.json): a stage's demo 17-23 s, under torchrun 27 s. Eleven stages'
+# demos, two of them also under torchrun, fit the part's budget with these (test_gpu_check adds them up).
+DEMO_S = 30
 REFERENCE_DEMO_S = 25  # the PyTorch reference instead of the Triton kernels: nothing to compile
-TORCHRUN_S = 45
-GATEWAY_DEMO_S = 120  # Ray, two models' replicas, and a second random model built once
+TORCHRUN_S = 40
+GATEWAY_DEMO_S = 100  # Ray, two models' replicas, and a second random model built once (skipped where Ray is not)
 # The GPU tests, by file: the tests written for the GPU first, then the stages' tokens against Hugging Face. On an
 # H200: test_cuda 78 s, test_sync 6 s, test_07_cuda_graphs 21 s, test_all_stages 72 s (alone).
 TEST_FILES_S = {"test_cuda.py": 150, "test_sync.py": 30, "test_07_cuda_graphs.py": 45, "test_all_stages.py": 150,
@@ -221,7 +222,7 @@ def has_cuda_tests(path: Path) -> bool:
 
 
 def gateway_test_files() -> list[str]:
-    """The test file of each gateway stage (tests/test_10_gateway.py): run only where Ray is."""
+    """The test file of each gateway stage (tests/test_11_gateway.py): run only where Ray is."""
     return [f"test_{folder}.py" for folder in stage_folders() if is_gateway(folder)]
 
 

@@ -106,7 +106,7 @@ share_one_tls_context()
 # fixtures (the gateway's Ray fleet, a tiny checkpoint) are made once. The longest files go first (a long one started
 # last would leave the other worker idle at the end), and files whose tests share nothing costly are cut smaller:
 # into a group per test (None), or per stage that the tests' parameters name (its engine and fixtures made once).
-LONGEST_FIRST = ["test_10_gateway.py", "test_notebooks.py", "test_09_tensor_parallel.py", "test_homework.py",
+LONGEST_FIRST = ["test_11_gateway.py", "test_notebooks.py", "test_09_tensor_parallel.py", "test_homework.py",
                  "test_fuzz.py", "test_attention.py", "test_all_stages.py", "test_hardening.py", "test_openai_api.py",
                  "test_bench.py"]
 SPLIT_BY = {"test_notebooks.py": None, "test_fuzz.py": None, "test_all_stages.py": None, "test_homework.py": "stage"}
@@ -374,6 +374,7 @@ engine07, server07 = stage_fixtures("07_cuda_graphs", kv_cache_mb=64, max_num_ba
 engine08, server08 = stage_fixtures("08_speculative", kv_cache_mb=64, max_num_batched_tokens=64)
 # Stage 09 with one rank, like every stage before it; test_09_tensor_parallel starts the engines of several.
 engine09, server09 = stage_fixtures("09_tensor_parallel", kv_cache_mb=64, max_num_batched_tokens=64)
-# Stage 10's engine is stage 09's, unchanged: the every-stage test runs it too (its server is tested through
-# the gateway, in test_10_gateway).
-engine10, server10 = stage_fixtures("10_gateway", kv_cache_mb=64, max_num_batched_tokens=64)
+engine10, server10 = stage_fixtures("10_overlap_scheduling", kv_cache_mb=64, max_num_batched_tokens=64)
+# Stage 11's engine is stage 10's, unchanged: the every-stage test runs it too (its server is tested through
+# the gateway, in test_11_gateway).
+engine11, server11 = stage_fixtures("11_gateway", kv_cache_mb=64, max_num_batched_tokens=64)

@@ -34,7 +34,9 @@ CAPABILITIES = {
     "static_buffers": "07: decode steps from static buffers in buckets, replayed as CUDA graphs",
     "speculation": "08: speculative decoding: k guesses per sequence, verified in one pass",
     "ranks": "09: tensor parallelism over several ranks (processes), steps broadcast from rank 0",
-    "gateway": "10: many stage 09 servers as one endpoint on Ray Serve: routing by model, difficulty and prefix; "
+    "overlap": "10: overlap scheduling: step N + 1 launched before step N's tokens are read, placeholders resolved on "
+               "the device; steps that cannot overlap run synchronously and are counted",
+    "gateway": "11: many stage 10 servers as one endpoint on Ray Serve: routing by model, difficulty and prefix; "
                "autoscaling on queue depth",
 }
 IMPORTS, DOCSTRING, OTHER = "<imports>", "__doc__", "<statements>"  # the pseudo-definitions of a module
@@ -185,8 +187,22 @@ TABLE = course(
                            "ModelConfig", "load_safetensors"),
               "model_runner.py": ("__doc__", "<imports>", "ModelRunner", "start_runner"),
           }),
-    Stage("10_gateway", adds={"gateway"},
-          lesson="the gateway: stage 09's engine unchanged on Ray Serve replicas; routing by model, difficulty and "
+    Stage("10_overlap_scheduling", adds={"overlap"},
+          lesson="overlap scheduling: launch step N + 1, then process step N; placeholders resolved on the device",
+          changes={
+              "async_engine.py": ("__doc__", "AsyncEngine"),
+              "config.py": ("EngineConfig",),
+              "engine.py": ("__doc__", "<imports>", "Engine", "HOST_WEIGHT", "InFlight", "SyncReason"),
+              "metrics.py": ("Metrics",),
+              "model_runner.py": ("ModelRunner", "resolve_placeholders"),
+              "policy.py": ("SpeculationCost", "plan_guesses"),
+              "scheduler.py": ("__doc__", "Scheduler"),
+              "sequence.py": ("Sequence", "placeholder"),
+              "speculative.py": ("next_tokens",),
+              "stats.py": ("EngineStats", "OverlapStats"),
+          }),
+    Stage("11_gateway", adds={"gateway"},
+          lesson="the gateway: stage 10's engine unchanged on Ray Serve replicas; routing by model, difficulty and "
                  "prefix; autoscaling on queue depth",
           changes={
           }),
@@ -215,8 +231,8 @@ def stages_having(capability: str) -> list[str]:
     return [folder for folder in STAGES if has(folder, capability)]
 
 
-# The OpenAI server with streaming (stage 01 is a Flask app), served by one process. Stage 10 serves stage 09's app,
-# unchanged, on each replica behind its gateway: test_10_gateway holds the gateway to stage 09's answers.
+# The OpenAI server with streaming (stage 01 is a Flask app), served by one process. Stage 11 serves stage 10's app,
+# unchanged, on each replica behind its gateway: test_11_gateway holds the gateway to stage 10's answers.
 FASTAPI_STAGES = [folder for folder in stages_having("streaming") if not has(folder, "gateway")]
 
 

@@ -12,7 +12,7 @@ import pytest
 from common.trace import RequestTrace, StepClock, Tracer, read_step_traces, read_traces
 
 from .conftest import serve_stage
-from .stages import FASTAPI_STAGES
+from .stages import FASTAPI_STAGES, has
 
 MODEL = "smollm2-135m-instruct"
 MAX_TOKENS = 5
@@ -75,10 +75,13 @@ def test_a_traced_request_says_where_its_time_went(traced_server, stream):
     assert sum(end - start for start, end in engine_spans) / 1000 <= busy_s + 1e-3
     assert busy_s <= wall_s
     if folder >= "04":  # a batching stage also says where each step's time went
-        check_step_phases(server, path, phases_before, decodes_before, busy_s, stream)
+        check_step_phases(server, folder, path, phases_before, decodes_before, busy_s, stream)
 
 
 STEP_PHASES = {"schedule", "prepare", "execute", "update", "detokenize", "handoff"}  # and sample, or verify (08 on)
+# With overlap scheduling (stage 10 on) a turn launches one step and processes the one before: a turn that launches
+# nothing has no preparing or executing phase, a turn that processes nothing no update or detokenizing.
+LAUNCH_PHASES, PROCESS_PHASES = {"prepare", "execute"}, {"update", "detokenize"}
 
 
 def step_phases(server) -> dict[str, tuple[float, float]]:
@@ -93,23 +96,33 @@ def step_phases(server) -> dict[str, tuple[float, float]]:
     return {phase: (count, seconds) for phase, (count, seconds) in phases.items()}
 
 
-def check_step_phases(server, path: Path, before: dict[str, tuple[float, float]], before_decodes: float, busy_s: float,
-                      stream: bool) -> None:
+def check_step_phases(server, folder: str, path: Path, before: dict[str, tuple[float, float]], before_decodes: float,
+                      busy_s: float, stream: bool) -> None:
     """The request's steps (one prefill, MAX_TOKENS - 1 decodes) each wrote a line with every phase, and /metrics
-    counted the same steps; their phases add up to no more than the engine's busy time."""
+    counted the same steps; their phases add up to no more than the engine's busy time. With overlap scheduling a
+    line is a turn: the step it launched (if any), and the news of the step before it (the first turn has none; a
+    turn that launches nothing reads the last step's tokens); a step that cannot overlap (one with guesses) has its
+    news in its own turn, with the step before's."""
+    overlap = has(folder, "overlap")
     deadline = time.monotonic() + 10  # the engine thread writes a step's line just after handing its outputs over
-    while len(steps := read_step_traces(path)) < MAX_TOKENS and time.monotonic() < deadline:
+    steps = read_step_traces(path)
+    while sum(step["seqs"] for step in steps) < MAX_TOKENS and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert len(steps) == MAX_TOKENS  # the server runs nothing else: each of its steps was this request's
+        steps = read_step_traces(path)
     assert [step["step"] for step in steps] == sorted(step["step"] for step in steps)
-    assert [step["decoding"] for step in steps] == [0] + [1] * (MAX_TOKENS - 1)  # the prefill, then decodes
+    launched = [step for step in steps if step["tokens"]]
+    assert [step["decoding"] for step in launched] == [0] + [1] * (MAX_TOKENS - 1)  # the prefill, then decodes
+    assert sum(step["seqs"] for step in steps) == MAX_TOKENS  # nothing else ran: each step is the request's
+    if not overlap:
+        assert steps == launched and all(step["seqs"] == 1 for step in steps)
     for step in steps:
-        assert step["seqs"] == 1 and step["tokens"] >= 1
-        assert STEP_PHASES <= step["phases_ms"].keys()
+        absent = (set() if step["tokens"] else LAUNCH_PHASES) | (set() if step["seqs"] else PROCESS_PHASES)
+        phases = STEP_PHASES - absent
+        assert phases <= step["phases_ms"].keys()
         assert all(ms >= 0 for ms in step["phases_ms"].values())
     after = step_phases(server)
     counted = {phase: after[phase][0] - before.get(phase, (0, 0))[0] for phase in after}
-    assert all(counted[phase] == MAX_TOKENS for phase in STEP_PHASES)
+    assert all(counted[phase] == sum(phase in step["phases_ms"] for step in steps) for phase in STEP_PHASES)
     assert server.metric("llm_decode_step_seconds_count") - before_decodes == MAX_TOKENS - 1
     phase_s = sum(after[phase][1] - before.get(phase, (0, 0))[1] for phase in after)
     assert phase_s <= busy_s + 1e-6  # busy time is the steps' phases, from the first to the last

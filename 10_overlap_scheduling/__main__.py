@@ -1,0 +1,134 @@
+"""python -m 10_overlap_scheduling [--demo] [--disable-overlap] [--tensor-parallel-size N] [--port P]
+
+The demo answers its prompts twice on one engine, overlapping and synchronous, and compares. Under torchrun every
+rank runs this module, as in stage 09: rank 0 serves (or runs the demo), the others run_worker.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import replace
+
+from common.cli import DEMO_PROMPTS, config_from_args, served_name, stage_parser
+from common.device import DeviceUnavailable, build_off_the_main_thread, pick_device
+from common.limits import Limits, add_limit_args
+from common.trace import Tracer, add_trace_args
+
+from .async_engine import AsyncEngine
+from .config import EngineConfig
+from .distributed import RanksOutOfStep, under_torchrun
+from .engine import Engine, token_budget
+from .sampler import SamplingParams
+from .worker import run_worker
+
+
+def answer(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
+    """Every prompt, greedy, in one batch: the answers and the seconds they took."""
+    started = time.perf_counter()
+    answers = engine.generate_offline(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    return answers, time.perf_counter() - started
+
+
+def start_engine(config: EngineConfig) -> Engine:
+    """The engine, or exit with a one-line error: no such device; a budget below max_num_seqs; a bad draft; a
+    --tensor-parallel-size that does not split the model; a rank that exited at start-up."""
+    try:
+        return build_off_the_main_thread(lambda: Engine(config))
+    except (DeviceUnavailable, ValueError, RanksOutOfStep) as exc:
+        raise SystemExit(f"error: {exc}") from None
+
+
+def demo(engine: Engine, max_tokens: int) -> None:
+    """The demo prompts twice on one engine: its steps overlapping, then every step synchronous (stage 09's loop):
+    the same tokens, each run's time, and how many steps overlapped or waited for the step before, and why."""
+    prompts = [engine.encode_chat([{"role": "user", "content": p}]) for p in DEMO_PROMPTS]
+    runs = {}
+    for overlap in (True, False):
+        engine.config = replace(engine.config, disable_overlap=not overlap)  # read by each step: no restart needed
+        before = engine.stats().overlap
+        answers, seconds = answer(engine, prompts, max_tokens)
+        after = engine.stats().overlap
+        waited = {reason: steps - before.synchronous.get(reason, 0) for reason, steps in after.synchronous.items()}
+        runs[overlap] = answers
+        if overlap:
+            for prompt_text, ids in zip(DEMO_PROMPTS, answers, strict=True):
+                print(f"\n{prompt_text!r}\n  -> {engine.tokenizer.decode(ids, skip_special_tokens=True)!r}")
+            print(f"\nOverlapping: {sum(map(len, answers))} tokens in {seconds:.1f} s; "
+                  f"{after.overlapped - before.overlapped} steps launched while the step before was in flight, "
+                  f"synchronous ones by reason: {waited or 'none'}")
+        else:
+            print(f"Synchronous (--disable-overlap): {sum(map(len, answers))} tokens in {seconds:.1f} s")
+    print(f"The same tokens both ways: {runs[True] == runs[False]}. On a CPU a launched step computes before it "
+          "returns, so overlapping hides nothing: the README measures it on a GPU, where the launch returns at once.")
+
+
+def main() -> None:
+    parser = stage_parser(__package__, EngineConfig)
+    add_limit_args(parser)
+    add_trace_args(parser)
+    args = parser.parse_args()
+    config = config_from_args(EngineConfig, args)
+    if under_torchrun() and int(os.environ["RANK"]) > 0:  # torchrun started this process as a worker
+        run_worker(int(os.environ["RANK"]), "env://", config, token_budget(config, pick_device(config.device)))
+        return
+    engine = start_engine(config)
+    try:
+        describe(engine, args)
+        if args.demo:
+            demo(engine, args.max_tokens)
+        else:
+            serve(engine, args)
+    finally:
+        engine.shutdown()  # every other rank stops too (the server's shutdown has done it already)
+
+
+def describe(engine: Engine, args) -> None:
+    """What the engine holds and does: the model, the pool, the step, the caches, the ranks, graphs, speculation."""
+    cache = engine.kv_cache
+    print(f"Loaded {args.model} on {engine.device} ({engine.dtype}), context {engine.max_model_len} tokens")
+    print(f"KV cache: {cache.num_blocks} blocks x {args.block_size} tokens = {engine.kv_capacity_tokens} tokens, "
+          f"{cache.num_bytes / 2**20:.0f} MiB ({cache.shape.bytes_per_token} bytes per token)")
+    print(f"Steps: up to {args.max_num_seqs} sequences, {engine.max_num_batched_tokens} tokens (decodes and their "
+          "guesses first, then prompt chunks)")
+    print(f"Prefix cache: {args.prefix_cache}")
+    others = " (each of the others prints its own)" if engine.tp.size > 1 else ""
+    group = " in a process group of one" if engine.tp.size == 1 and engine.tp.group is not None else ""
+    print(f"Tensor parallel{group}: {engine.memory_report()}{others}")
+    runner = engine.runner
+    if runner.capture_seconds is not None:
+        print(f"CUDA graphs: decode steps captured for batch sizes {runner.sizes}, steps with guesses for "
+              f"{runner.verify_sizes} rows, in {runner.capture_seconds:.1f} s, holding "
+              f"{runner.graph_memory_bytes / 2**20:.0f} MiB of the GPU")
+    else:
+        why = "--enforce-eager" if args.enforce_eager else "they need CUDA and the Triton kernels"
+        print(f"CUDA graphs: off ({why}); steps run eagerly from static buffers: decodes in buckets {runner.sizes}, "
+              f"steps with guesses in buckets of {runner.verify_sizes} rows")
+    if args.speculative == "draft":
+        draft = engine.proposer.model.config
+        source = args.draft_model or f"the model's first {draft.num_layers} of {engine.model.config.num_layers} layers"
+        print(f"Speculation: a draft model ({source}) guesses k = {args.num_speculative_tokens} tokens; its cache "
+              f"{engine.draft_kv_cache.num_bytes / 2**20:.0f} MiB")
+    elif args.speculative == "ngram":
+        print(f"Speculation: n-gram prompt lookup guesses k = {args.num_speculative_tokens} tokens")
+    else:
+        print("Speculation: off")
+    if args.disable_overlap:
+        print("Overlap scheduling: off (--disable-overlap): each step's tokens are read before the next is scheduled")
+    else:
+        print("Overlap scheduling: step N + 1 is launched before step N's tokens are read; steps with guesses or "
+              "penalties, prompt logprobs, or several ranks wait for the step before")
+
+
+def serve(engine: Engine, args) -> None:
+    import uvicorn
+
+    from .server import create_app
+
+    tracer = Tracer.from_args(args)
+    app = create_app(AsyncEngine(engine, tracer=tracer), served_name(args.model), Limits.from_args(args), tracer)
+    uvicorn.run(app, host=args.host, port=args.port)
+
+
+if __name__ == "__main__":
+    main()

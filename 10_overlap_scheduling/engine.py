@@ -1,0 +1,525 @@
+"""The engine: one step at a time within a token budget, every request in flight batched into each pass, each step
+launched before the step before it is processed.
+
+Each ``step`` is a short pipeline: the scheduler picks the sequences that take part and how many tokens
+each (one for every decoding sequence, then chunks of prompts, within the step's token budget), the
+model runner lays them out as one flat batch and runs the model, the sampler picks the next token of
+every sequence whose step reaches its last token, and the scheduler counts the computed tokens,
+appends the new ones, finishes the sequences that are done and frees their blocks. A request that
+arrives mid-way joins at the next step; a long prompt is computed a chunk per step, alongside
+everyone else's decodes.
+
+A decoding sequence may also bring guesses of its next tokens (``proposer.py``): the scheduler
+reserves room for them, the proposer fills it, the model runs the last token and the guesses in one
+pass, and verification (``speculative.py``) keeps the longest run the model agrees with, plus one token
+of its own: 1 to k + 1 tokens per sequence and step, those it would have produced one by one (near-ties
+of float32 rounding aside). The rejected guesses' blocks go back to the pool. How many guesses each
+sequence gets, 0 to k, the policy (``policy.py``) decides each step, from what a step costs (measured at
+start-up) and how often the sequence's guesses have been kept.
+
+The model may be split across N processes (``--tensor-parallel-size``). This engine is rank 0: it
+starts the other ranks, and every rank starts up the same way (``worker.py``: once all have loaded their
+weights; the number of KV blocks is the smallest any rank can hold). Then only rank 0 schedules; the
+others are model runners that run each step it sends them. A rank that dies, or a step that fails on one
+or does not finish within ``--dist-timeout``, stops the engine (the ranks can no longer be in step) and
+every rank.
+
+The steps overlap. A step's work on the host (scheduling, laying out the batch, reading the sampled tokens,
+detokenizing, finishing sequences) is time the device does nothing, unless the device has the next step to run
+meanwhile. So each turn of the loop schedules and launches step N + 1 first, then processes step N, whose tokens
+are ready or nearly: the device computes N + 1 while Python processes N. Step N + 1 cannot know step N's tokens on
+the host yet; its decoding sequences' input ids are placeholders, which the device fills in from step N's sampled
+tokens. A sequence that ends in step N (EOS, a stop string) has had a token computed in step N + 1 all the same,
+which is dropped unread; one that reaches ``max_tokens`` is never scheduled past it. A step that needs a token on
+the host (guesses to propose, penalties to count, ranks to send it to) waits for the step before it, and says why.
+
+``Engine`` is the core (``add_request``, ``step``, ``abort``); ``AsyncEngine`` (``async_engine.py``) runs its
+loop on a thread for the asyncio server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from common.device import pick_device, pick_dtype
+from common.trace import RequestTrace, StepClock
+from common.weights import load_tokenizer, resolve_model
+
+from .block_manager import BlockManager
+from .config import CPU_TOKEN_BUDGET, CUDA_TOKEN_BUDGET, EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .distributed import STEP_POLL_S, RanksOutOfStep, TPGroup, device_of, start_ranks, under_torchrun, wait_until
+from .kv_cache import KVCache
+from .model import LlamaForCausalLM, ModelConfig
+from .model_runner import StepInput, cost_rows, start_runner
+from .policy import SpeculationCost
+from .prefix_index import HashIndex, PrefixIndex
+from .proposer import DraftProposer, NgramProposer, layer_skip_draft, load_draft
+from .radix_tree import RadixTree
+from .sampler import SamplingParams, TokenLogprobs, compute_logprobs, make_generator
+from .scheduler import Batch, Sampled, Scheduler
+from .sequence import RequestOutput, Sequence, SequenceStatus, StepKind, StepResult
+from .speculative import Speculation, next_tokens, verify
+from .stats import EngineStats, KVBlockStats, OverlapStats, PrefixCacheStats
+from .worker import memory_report, run_worker
+
+HOST_WEIGHT = 0.1  # the weight of each turn in the running mean of the host's time per step (``measure_host``)
+# Why a step ran synchronously (``Engine.sync_reason``); /metrics counts each.
+SyncReason = Literal["disabled", "tensor_parallel", "speculation", "penalties", "prompt_logprobs"]
+
+
+@dataclass
+class InFlight:
+    """A launched step whose tokens the host has not read yet: what processing it takes."""
+
+    sampling: list[Sequence]  # the sequences it samples a token for, in the order of ``tokens``
+    tokens: torch.Tensor  # [S] int64 on the device: their next tokens (the next step's placeholders point here)
+    logits: torch.Tensor  # [S, V]: kept for the logprobs a request may ask for
+    num_tokens: int  # tokens it ran
+    num_decoding: int  # sequences that decoded in it
+
+
+class InvalidRequest(ValueError):
+    """The engine cannot take this request (token ids outside the vocabulary, too long): a 400."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine thread has exited: nothing it held or was sent will ever be served."""
+
+
+def make_index(kind: str, block_size: int) -> PrefixIndex | None:
+    """The prefix cache's index (``--prefix-cache``): the hash chain, the radix tree, or none."""
+    indexes: dict[str, type[HashIndex] | type[RadixTree]] = {"hash": HashIndex, "radix": RadixTree}
+    return indexes[kind](block_size) if kind != "off" else None
+
+
+def token_budget(config: EngineConfig, device: torch.device) -> int:
+    """The step's token budget: ``--max-num-batched-tokens``, or the device's default. Every running sequence
+    decodes in every step, so the budget must hold ``max_num_seqs`` tokens at least."""
+    budget = config.max_num_batched_tokens or (CUDA_TOKEN_BUDGET if device.type == "cuda" else CPU_TOKEN_BUDGET)
+    if budget < config.max_num_seqs:
+        raise ValueError(f"--max-num-batched-tokens {budget} is below --max-num-seqs {config.max_num_seqs}: every "
+                         "running sequence decodes in every step, so the budget must be at least max_num_seqs")
+    return budget
+
+
+def check_tensor_parallel(config: EngineConfig, model: ModelConfig, device: torch.device) -> None:
+    """Refuse, before any process starts, what tensor parallelism cannot run."""
+    model.check_tensor_parallel_size(config.tensor_parallel_size)
+    # Spawned here, rank r runs on cuda:r: this machine needs a GPU per rank (torchrun gives each its own).
+    if device.type == "cuda" and not under_torchrun() and config.tensor_parallel_size > torch.cuda.device_count():
+        raise ValueError(f"--tensor-parallel-size {config.tensor_parallel_size} needs a GPU per rank, and this machine "
+                         f"has {torch.cuda.device_count()}")
+    if config.tensor_parallel_size > 1 and config.speculative == "draft":
+        raise ValueError("--speculative draft: the draft model would run on rank 0 alone beside a split model; "
+                         "with --tensor-parallel-size above 1, use --speculative ngram or off")
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """Sample ``index``'s own seed, derived from the request's: sample 0 draws what ``n`` = 1 would, and every
+    sample of a seeded request is reproducible. (A step of 2**64 / golden ratio spreads the seeds apart.)"""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index * 0x9E3779B97F4A7C15) % 2**64
+
+
+class Engine:
+    """One model, one KV-cache pool, and a scheduler that batches every request it holds.
+
+    With tensor parallelism this engine is rank 0: it starts the other ranks (``worker.run_worker``), which are
+    model runners only, and sends them every step it runs."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, self.device)
+        self.max_num_batched_tokens = token_budget(config, self.device)  # checked before the weights are loaded
+        model_dir = resolve_model(config.model)
+        check_tensor_parallel(config, ModelConfig.from_pretrained(model_dir), self.device)  # before any process starts
+        self.ranks = start_ranks(config.tensor_parallel_size, self.device, config.dist_timeout, run_worker,
+                                 (config, self.max_num_batched_tokens), config.process_group)
+        try:
+            self._start_up(config, model_dir)
+        except BaseException:  # a failed start leaves no worker behind, waiting for a rank 0 that gave up
+            self.ranks.stop(graceful=False)
+            raise
+
+    def _start_up(self, config: EngineConfig, model_dir: Path) -> None:
+        """Everything after the ranks have met: the tokenizer, this rank's weights, the runner and its pool (in step
+        with every other rank's start-up, ``worker.py``), the proposer and the scheduler."""
+        self.device = device_of(self.device, self.ranks.tp)  # on CUDA each rank its own GPU
+        self.tokenizer = load_tokenizer(model_dir)
+        self.model = LlamaForCausalLM.from_pretrained(model_dir, dtype=self.dtype, device=self.device, tp=self.ranks.tp)
+        self.max_model_len: int = self.model.config.max_position_embeddings
+        self.eos_token_ids = set(self.model.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        draft = self.make_draft(config)  # before the pool: a separate draft's weights are not the pool's to take
+        draft_shape = draft.config.cache_shape(config.block_size, self.dtype) if draft is not None else None
+        self.tp.wait_for_all()  # every rank's weights loaded (worker.py waits here too): the forward passes may start
+        self.runner = start_runner(config, self.model, self.device, self.max_num_batched_tokens,
+                                   draft_shape.bytes_per_block if draft_shape else 0)
+        self.kv_cache = self.runner.kv_cache
+        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size,
+                                          make_index(config.prefix_cache, config.block_size))
+        self.proposer: NgramProposer | DraftProposer | None = None
+        if config.speculative == "ngram":
+            self.proposer = NgramProposer()
+        elif draft is not None:
+            num_blocks = self.kv_cache.num_blocks  # the draft's K/V live in blocks of the same ids
+            self.draft_kv_cache = KVCache.allocate(draft_shape, num_blocks * draft_shape.bytes_per_block, self.device)
+            self.proposer = DraftProposer(draft, self.draft_kv_cache, config.block_size, self.device,
+                                          config.max_num_seqs, self.max_model_len, self.max_num_batched_tokens,
+                                          config.enforce_eager)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
+                                   self.eos_token_ids, self.speculation_cost())
+        self.in_flight: InFlight | None = None  # the step launched and not yet processed (overlap)
+        self.sync_steps: dict[SyncReason, int] = {}  # steps that could not overlap, by reason
+        self.num_overlapped = 0  # steps launched while another was in flight
+        self.tp.wait_for_all()  # every rank started up (graphs captured and all): the first step may go out
+
+    @property
+    def tp(self) -> TPGroup:
+        """This engine's place among the ranks (one rank: no group; once shut down: one rank again)."""
+        return self.ranks.tp
+
+    def check_ranks(self) -> None:
+        """Raise EngineStopped if a rank this engine started has exited (torchrun watches its own ranks)."""
+        if (why := self.ranks.exited()) is not None:
+            raise EngineStopped(why)
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop every other rank and leave none behind (``Ranks.stop``)."""
+        self.ranks.stop(graceful)
+
+    def memory_report(self) -> str:
+        return memory_report(self.runner)
+
+    def _wait_for_ranks(self) -> None:
+        """On a GPU with a process group: wait until the step's GPU work, its collectives too, is done, within
+        ``--dist-timeout`` and only while every worker runs (RanksOutOfStep otherwise). Blocking on the logits
+        instead would wait forever for a dead peer: a collective replayed in a CUDA graph has no timeout. (On a
+        CPU each gloo collective returns when done, or fails after its timeout.)"""
+        if self.device.type != "cuda" or self.tp.group is None:
+            return
+        done = torch.cuda.Event()
+        done.record()  # after every kernel of the step on this stream
+        wait_until(done.query, self.config.dist_timeout, self.ranks.exited, "the step's GPU work", STEP_POLL_S)
+
+    def make_draft(self, config: EngineConfig) -> LlamaForCausalLM | None:
+        """The draft model of ``--speculative draft``: a local folder's, or the model's own first layers."""
+        if config.num_speculative_tokens < 0:
+            raise ValueError(f"--num-speculative-tokens {config.num_speculative_tokens}: it must be 0 or more")
+        if config.speculative != "draft":
+            return None
+        if config.draft_model:
+            return load_draft(str(resolve_model(config.draft_model)), self.model, self.tokenizer.get_vocab(),
+                              self.dtype, self.device)
+        num_layers = config.draft_layers or max(1, self.model.config.num_layers // 3)
+        if not 1 <= num_layers <= self.model.config.num_layers:
+            raise ValueError(f"--draft-layers {num_layers}: the model has {self.model.config.num_layers} layers")
+        return layer_skip_draft(self.model, num_layers)
+
+    def speculation_cost(self) -> SpeculationCost | None:
+        """What the speculation policy weighs guesses against: the runner's step costs (measured at start-up, or
+        read from --step-costs), and a draft model's, measured (each guess also takes a row of one of its steps).
+        None without speculation, or with ``--speculative-policy always``: every sequence then guesses its k."""
+        runner = self.runner
+        if self.proposer is None or runner.step_cost is None or runner.decode_cost is None:
+            return None
+        draft = None
+        if isinstance(self.proposer, DraftProposer):  # its steps run one row per sequence still guessing
+            draft = self.proposer.runner.measure_cost(cost_rows(self.config.max_num_seqs))
+        return SpeculationCost(runner.step_cost, runner.decode_cost, draft, runner.sequence_cost)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the whole pool can hold: the most any one sequence can ever reach."""
+        return self.block_manager.num_blocks * self.block_manager.block_size
+
+    def stats(self) -> EngineStats:
+        blocks, scheduler = self.block_manager, self.scheduler
+        return EngineStats(len(scheduler.running), len(scheduler.waiting),
+                           KVBlockStats(blocks.num_blocks, blocks.num_used, blocks.num_evictable, blocks.num_free,
+                                        blocks.num_cached, blocks.block_size),
+                           scheduler.num_preemptions,
+                           PrefixCacheStats(scheduler.prefix_cache_queries, scheduler.prefix_cache_hits),
+                           scheduler.speculation, OverlapStats(self.num_overlapped, dict(self.sync_steps)))
+
+    # --- text <-> token ids ---------------------------------------------------------------
+    def encode(self, prompt: str) -> list[int]:
+        return self.tokenizer(prompt).input_ids
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Render the conversation with the model's chat template, ready for the assistant's turn."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False).input_ids  # the template has them
+
+    # --- requests in and out --------------------------------------------------------------
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Refuse what would break the engine, whoever calls it: the server checks too, but on CUDA an
+        index out of range is a device-side assert that takes every later batch down with it."""
+        vocab_size = self.model.config.vocab_size
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty")
+        if bad := [i for i in [*prompt_ids, *params.logit_bias] if not 0 <= i < vocab_size]:
+            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequest(f"{len(prompt_ids)} prompt + {params.max_tokens} new tokens exceed the context "
+                                 f"length of {self.max_model_len}")
+        # A sequence that outgrew the whole pool could never run, even alone.
+        if len(prompt_ids) + params.max_tokens > self.kv_capacity_tokens:
+            raise InvalidRequest(f"{len(prompt_ids)} prompt + {params.max_tokens} new tokens exceed the "
+                                 f"{self.kv_capacity_tokens} tokens of the KV cache")
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    trace: RequestTrace | None = None, n: int = 1) -> None:
+        """Queue a request for ``n`` samples; it joins the batch at a coming step. Raises InvalidRequest if it
+        cannot run.
+
+        Sample 0 is queued now. The other samples start after its prefill (the scheduler's ``_fork``): by then
+        the prompt's full blocks are in the prefix cache, and each sample computes only the prompt's last block."""
+        assert n >= 1 and not (n > 1 and params.prompt_logprobs is not None), "prompt logprobs are scored once"
+        self.check_request(prompt_ids, params)
+        k = self.config.num_speculative_tokens if self.proposer is not None else 0
+        samples = [Sequence(request_id, list(prompt_ids), params, make_generator(sample_seed(params.seed, i),
+                                                                                 self.device),
+                            IncrementalDetokenizer(self.tokenizer, params.stop), trace=trace or RequestTrace(), index=i,
+                            speculation=Speculation(k))
+                   for i in range(n)]
+        samples[0].forks = samples[1:]
+        self.scheduler.add(samples[0])
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request wherever it is (its client left); its blocks return to the pool now."""
+        self.scheduler.abort(request_id)
+
+    # --- one step -------------------------------------------------------------------------
+    def step(self, clock: StepClock | None = None) -> StepResult:
+        """One turn of the engine's loop; returns the output of every sequence that has news.
+
+        Overlapping (the default): schedule step N + 1 and launch it, then process step N, launched by the turn
+        before: read its tokens, detokenize, finish who ended. On a GPU the launch returns at once, so the host's
+        work for step N runs while the GPU computes step N + 1, and the GPU never waits for Python. Step N + 1's
+        input ids are placeholders for step N's tokens, resolved on the device (``resolve_placeholders``); a
+        sequence that ends in step N had a token computed in N + 1 all the same, dropped unread.
+
+        A step that cannot overlap (``sync_reason``) first processes step N, then runs from start to end as in the
+        synchronous engine (``--disable-overlap``: every step).
+
+        ``clock`` times each phase (the server's /metrics and --trace show them)."""
+        clock = clock or StepClock()
+        result = self._turn(clock)
+        if result.num_tokens:
+            self.measure_host(clock)
+        return result
+
+    def _turn(self, clock: StepClock) -> StepResult:
+        """``step``'s work: schedule; then launch and process, or process and run."""
+        batch = self.scheduler.schedule()
+        clock.lap("schedule")
+        reason = self.sync_reason(batch) if batch.seqs else None
+        if batch.seqs and reason is None:
+            self.num_overlapped += self.in_flight is not None
+            ### BEGIN SOLUTION 10.1
+            launched = self._launch(batch, clock)  # step N + 1: on the device's queue
+            processed = self._process(self.in_flight, clock)  # step N: the host's work, meanwhile
+            self.in_flight = launched if isinstance(launched, InFlight) else None  # carried to the next turn
+            ### END SOLUTION
+            if not isinstance(launched, InFlight):  # it failed to launch: its sequences failed with it
+                return StepResult(processed.outputs + launched.outputs, launched.num_tokens)
+            return StepResult(processed.outputs, launched.num_tokens, num_decoding=launched.num_decoding)
+        processed = self._process(self.in_flight, clock)  # step N first: step N + 1 needs its tokens on the host
+        self.in_flight = None
+        if reason is not None and not self.config.disable_overlap:
+            self.sync_steps[reason] = self.sync_steps.get(reason, 0) + 1
+        batch.seqs = [seq for seq in batch.seqs if seq.status is SequenceStatus.RUNNING]  # those ended in N leave
+        if not batch.seqs:
+            return processed
+        result = self._run(batch, clock)
+        return replace(result, outputs=processed.outputs + result.outputs)
+
+    def measure_host(self, clock: StepClock) -> None:
+        """On a GPU, the host's share of a turn: its phases but those that wait for the device (``read``, and a
+        synchronous step's ``verify``), a running mean the speculation policy charges a step with guesses for (it
+        cannot overlap: ``SpeculationCost.sync``). On a CPU a launched step computes before it returns, so overlapping
+        hides nothing and the charge stays 0."""
+        cost = self.scheduler.cost
+        if self.device.type != "cuda" or cost is None:
+            return
+        host = sum(clock.phases.values()) - clock.phases.get("read", 0.0) - clock.phases.get("verify", 0.0)
+        self.scheduler.cost = replace(cost, sync=cost.sync + HOST_WEIGHT * (host - cost.sync))
+
+    def sync_reason(self, batch: Batch) -> SyncReason | None:
+        """Why ``batch`` cannot be launched before the step in flight is processed, or None: it can.
+
+        Each reason is a step that needs, on the host, a token that is still on the device: a proposer guesses from
+        the sequence's last token; penalties (and a logit bias, which goes through the same function) count every
+        token the sequence has; the ranks of a split model receive their input ids from rank 0's host; and a
+        prompt's logprobs are scored apart from the token, as the synchronous step does."""
+        if self.config.disable_overlap:
+            return "disabled"
+        if self.tp.size > 1:
+            return "tensor_parallel"
+        if any(seq.num_lookahead_slots for seq in batch.seqs):
+            return "speculation"
+        if any(seq.params.penalized for seq in batch.seqs):
+            return "penalties"
+        if any(seq.needs_prompt_logprobs for seq in batch.seqs):
+            return "prompt_logprobs"
+        return None
+
+    def has_unfinished(self) -> bool:
+        """Sequences to run, or a step in flight to process."""
+        return self.scheduler.has_unfinished() or self.in_flight is not None
+
+    def _launch(self, batch: Batch, clock: StepClock) -> InFlight | StepResult:
+        """Prepare and launch ``batch`` with the step in flight's tokens as its placeholders' values, and sample its
+        next tokens, without reading anything back; the scheduler counts the step as run. A failure fails the batch
+        (the StepResult of its failures)."""
+        try:
+            inputs = self.runner.prepare(batch)
+            input_ids = self.runner.device_input_ids(inputs, self.in_flight.tokens if self.in_flight else None)
+            clock.lap("prepare")
+            logits, _ = self.runner.execute(inputs, input_ids)  # [S, V]: one row per sampling sequence
+            clock.lap("execute")
+            sampling = [seq for seq in batch.seqs if seq.samples_next_token]
+            tokens = next_tokens(logits, [seq.params for seq in sampling], [seq.generator for seq in sampling])
+            clock.lap("sample")
+        except Exception as exc:
+            return StepResult(self._fail(batch, exc), batch.num_tokens)
+        kinds: list[StepKind] = ["decode" if seq.num_output_tokens and seq.num_new_tokens == 1 else "prefill"
+                                 for seq in batch.seqs]
+        for seq, kind in zip(batch.seqs, kinds, strict=True):
+            seq.trace.add(kind, clock.started, clock.last)
+        num_tokens = batch.num_tokens  # read before launched, which counts the scheduled tokens as computed
+        self.scheduler.launched(batch)  # each of ``sampling`` now has a pending token: its row in ``tokens``
+        return InFlight(sampling, tokens, logits, num_tokens, kinds.count("decode"))
+
+    def _process(self, flight: InFlight | None, clock: StepClock) -> StepResult:
+        """Step N's tokens read (the one wait for the device), with the logprobs their requests asked for, and handed to
+        the scheduler; nothing when no step is in flight."""
+        if flight is None or not flight.sampling:
+            return StepResult([])
+        try:  # one rank only (tensor_parallel waits): no peer can fail to enter a collective, so no deadline
+            token_ids = flight.tokens.tolist()  # waits for step N's last kernel, not for step N + 1's
+            clock.lap("read")
+            logprobs = compute_logprobs(flight.logits, token_ids, [seq.params.logprobs for seq in flight.sampling])
+        except Exception as exc:
+            live = [seq for seq in flight.sampling if seq.status is not SequenceStatus.FINISHED]
+            return StepResult(self._fail(Batch(live), exc))
+        return StepResult(self.scheduler.update_launched(flight.sampling, token_ids, logprobs, clock))
+
+    def _fail(self, batch: Batch, exc: Exception) -> list[RequestOutput]:
+        """A step failed: one pass for the whole batch, so all of it fails (their caches are half written). A failure
+        the engine cannot go on from stops it."""
+        if isinstance(exc, RanksOutOfStep):  # a rank died, or failed mid-step
+            self.check_ranks()  # the better message, when a process is gone
+            raise EngineStopped(f"the tensor-parallel ranks are out of step: {exc}") from exc
+        if isinstance(exc, torch.AcceleratorError):
+            # A CUDA error (a device-side assert, say) is sticky: every later kernel on this GPU fails
+            # too. Failing this batch and going on would fail every batch after it, so the engine
+            # stops, and the server says so (503) instead of answering each request with a 500.
+            raise EngineStopped(f"the GPU failed: {exc}") from exc
+        return [self.scheduler.fail(seq, exc) for seq in batch.seqs]
+
+    def _run(self, batch: Batch, clock: StepClock) -> StepResult:
+        """A synchronous step: propose, prepare, execute, verify, update (the scheduler counts the step's tokens,
+        appends each run, finishes and frees), all before the next step is scheduled. On a GPU ``execute`` only
+        launches the forward pass, and its time shows in ``verify``, the first phase that waits for its result."""
+        try:
+            self._propose(batch)
+            clock.lap("propose")
+            inputs = self.runner.prepare(batch)
+            clock.lap("prepare")
+            self.ranks.send(inputs)  # every other rank runs the same step on its slices
+            logits, prompt_logits = self.runner.execute(inputs)  # [R, V]: 1 + k rows per sampling sequence; [M, V]
+            clock.lap("execute")
+            self._wait_for_ranks()
+            sampled = self._verify(batch, inputs, logits, prompt_logits)
+            clock.lap("verify")
+        except Exception as exc:
+            return StepResult(self._fail(batch, exc), batch.num_tokens)
+        kinds: list[StepKind] = ["decode" if seq.output_ids and seq.num_new_tokens == 1 else "prefill"
+                                 for seq in batch.seqs]
+        for seq, kind in zip(batch.seqs, kinds, strict=True):  # the whole step: each waited for all of the batch
+            seq.trace.add(kind, clock.started, clock.last)
+        accepted_lengths = [len(news.token_ids) - 1 for seq, news in zip(batch.seqs, sampled, strict=True)
+                            if seq.draft_ids]
+        num_tokens = batch.num_tokens  # read before update, which counts the scheduled tokens as computed
+        return StepResult(self.scheduler.update(batch, sampled, clock), num_tokens,
+                          num_decoding=kinds.count("decode"), accepted_lengths=accepted_lengths)
+
+    def _propose(self, batch: Batch) -> None:
+        """The sequences the scheduler reserved room for get up to that many guesses each."""
+        seqs = [seq for seq in batch.seqs if seq.num_lookahead_slots]
+        if not seqs:
+            return
+        assert self.proposer is not None, "room for guesses, and nobody to guess"
+        self.scheduler.set_guesses(seqs, self.proposer.propose(seqs, [seq.num_lookahead_slots for seq in seqs]))
+
+    def _verify(self, batch: Batch, inputs: StepInput, logits: torch.Tensor,
+                prompt_logits: torch.Tensor | None) -> list[Sampled]:
+        """The run of every sequence whose step reaches its last token: the longest run of its guesses the model
+        agrees with, plus one token of its own, from its 1 + k rows of ``logits`` (a chunk that ends part-way
+        through its prompt samples nothing); with the logprobs its request asked for."""
+        sampling = [seq for seq in batch.seqs if seq.samples_next_token]  # [S]; none when only mid-prompt chunks
+        runs = verify(logits, [seq.params for seq in sampling], [seq.draft_ids for seq in sampling],
+                      [seq.draft_probs for seq in sampling], [seq.output_ids for seq in sampling],
+                      [seq.generator for seq in sampling]) if sampling else []
+        logprobs = self._logprobs(logits, sampling, runs)
+        chosen = {id(seq): (run, run_logprobs) for seq, run, run_logprobs in zip(sampling, runs, logprobs, strict=True)}
+        scored = prompt_logits.split(inputs.num_prompt_logits) if prompt_logits is not None else None
+        sampled = []
+        for i, seq in enumerate(batch.seqs):
+            prompt_logprobs = None
+            if scored is not None and inputs.num_prompt_logits[i]:
+                prompt_logprobs = self._score_prompt(seq, scored[i])
+            run, run_logprobs = chosen.get(id(seq), ([], []))
+            sampled.append(Sampled(run, run_logprobs, prompt_logprobs))
+        return sampled
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, sampling: list[Sequence], runs: list[list[int]]) -> list[list]:
+        """Each sampling sequence's logprobs of the tokens of its run (None where it did not ask): row i of a
+        sequence scores its run's token i; the rows of rejected guesses score nothing."""
+        targets, ks = [], []
+        for seq, run in zip(sampling, runs, strict=True):
+            rows = 1 + len(seq.draft_ids)
+            targets += run + seq.draft_ids[len(run):]  # past the run: any valid id, its row is not asked for
+            ks += [seq.params.logprobs] * len(run) + [None] * (rows - len(run))
+        measured = compute_logprobs(logits, targets, ks) if sampling else []
+        per_seq, start = [], 0
+        for seq, run in zip(sampling, runs, strict=True):
+            per_seq.append(measured[start : start + len(run)])
+            start += 1 + len(seq.draft_ids)
+        return per_seq
+
+    @staticmethod
+    def _score_prompt(seq: Sequence, logits: torch.Tensor) -> list[TokenLogprobs]:
+        """Echo: the logprobs of the prompt tokens this step's rows of ``seq`` predict. Its first row is at position
+        ``num_computed_tokens`` and predicts the token after it."""
+        # logits: [m, V] for positions start .. start + m - 1, which predict prompt tokens start + 1 .. start + m
+        start = seq.num_computed_tokens
+        targets = seq.prompt_ids[start + 1 : start + 1 + logits.shape[0]]
+        return compute_logprobs(logits, targets, [seq.params.prompt_logprobs] * len(targets))
+
+    def generate_offline(self, prompts: list[list[int]],
+                         params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Offline use (the demo, the tests): run every prompt to the end, all batched; their output ids. (The
+        server streams through ``AsyncEngine.generate`` instead.)"""
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        outputs: dict[str, list[int]] = {}
+        for i, (prompt_ids, p) in enumerate(zip(prompts, params, strict=True)):
+            self.add_request(f"offline-{i}", prompt_ids, p)
+            outputs[f"offline-{i}"] = []
+        while self.has_unfinished():
+            for output in self.step().outputs:
+                if output.error is not None:
+                    raise output.error
+                outputs[output.request_id].extend(output.token_ids)
+        return list(outputs.values())

@@ -1,0 +1,239 @@
+"""Stage 10: overlap scheduling. Step N + 1 is launched before step N's tokens are read; its input ids are
+placeholders for them, resolved on the device.
+
+The placeholders alone (exercise 10.2), the loop's order and its carry (10.1), then the engine: the same tokens as
+the synchronous loop, greedy and seeded, with chunks and preemptions; a sequence that ends in step N never gets the
+token step N + 1 computed for it; an abort while its step is in flight frees its blocks once; a sequence never runs
+past ``max_tokens``, even when its last token is still on the device; each step that cannot overlap says why, in the
+engine's counts and on /metrics. (Greedy tokens against Hugging Face's, and every server and API test of the stages
+before, run for this stage in the every-stage tests.)"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from .conftest import make_engine, serve_stage, stage
+from .prompts import CHAT_PROMPTS, TEXT_PROMPTS
+
+FOLDER = "10_overlap_scheduling"
+model_runner = stage(FOLDER, "model_runner")
+sampler = stage(FOLDER, "sampler")
+sequence_module = stage(FOLDER, "sequence")
+
+MODEL = "smollm2-135m-instruct"
+GREEDY = sampler.SamplingParams(max_tokens=24, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def engines(model_dir):
+    """(overlapping, synchronous) engines of this stage without speculation (whose steps never overlap), on a pool
+    small enough that a long batch preempts."""
+    config = {"speculative": "off", "kv_cache_mb": 64, "max_num_batched_tokens": 64}
+    return make_engine(FOLDER, model_dir, **config), make_engine(FOLDER, model_dir, disable_overlap=True, **config)
+
+
+def prompts_of(engine) -> list[list[int]]:
+    return [engine.encode(p) for p in TEXT_PROMPTS] + [engine.encode_chat([{"role": "user", "content": p}])
+                                                       for p in CHAT_PROMPTS]
+
+
+def run_turns(engine) -> list:
+    """Step until nothing is left; every turn's StepResult."""
+    results = []
+    while engine.has_unfinished():
+        results.append(engine.step())
+    return results
+
+
+# --- the placeholders (exercise 10.2) ----------------------------------------------------------------------------
+@pytest.mark.exercise("10.2")
+def test_placeholders_become_the_tokens_of_their_rows_and_real_ids_stay():
+    sampled = torch.tensor([50, 60, 70])  # the step in flight's tokens, by row
+    ids = torch.tensor([5, sequence_module.placeholder(2), 7, sequence_module.placeholder(0),
+                        sequence_module.placeholder(1), 0])
+    assert model_runner.resolve_placeholders(ids, sampled).tolist() == [5, 70, 7, 50, 60, 0]
+
+
+@pytest.mark.exercise("10.2")
+def test_a_step_without_placeholders_is_unchanged_and_nothing_is_read_from_a_one_row_step():
+    ids = torch.tensor([3, 1, 4, 1, 5])
+    assert model_runner.resolve_placeholders(ids, torch.tensor([9])).tolist() == [3, 1, 4, 1, 5]
+    assert model_runner.resolve_placeholders(torch.tensor([-1, -1]), torch.tensor([9])).tolist() == [9, 9]
+
+
+@pytest.mark.exercise("10.2")
+def test_a_sequences_placeholder_is_the_token_its_row_will_hold():
+    seq = sequence_module.Sequence("r", [1, 2, 3], GREEDY, torch.Generator(), detokenizer=None, output_ids=[4])
+    seq.pending_rows = [6]
+    assert seq.num_tokens == 5 and seq.num_output_tokens == 2
+    assert seq.tokens(3, 5) == [4, sequence_module.placeholder(6)]
+    resolved = model_runner.resolve_placeholders(torch.tensor(seq.tokens(3, 5)), torch.arange(100, 107))
+    assert resolved.tolist() == [4, 106]
+
+
+# --- the loop and its carry (exercise 10.1) ----------------------------------------------------------------------
+@pytest.mark.exercise("10.1")
+def test_each_turn_launches_the_next_step_before_it_processes_the_one_in_flight(engines, monkeypatch):
+    engine, _ = engines
+    events: list[str] = []
+    execute, update = engine.runner.execute, engine.scheduler.update_launched
+    monkeypatch.setattr(engine.runner, "execute", lambda *a, **k: (events.append("launch"), execute(*a, **k))[1])
+    def process(sampling, *args, **kwargs):
+        events.append(f"process {len(sampling)}")
+        return update(sampling, *args, **kwargs)
+
+    monkeypatch.setattr(engine.scheduler, "update_launched", process)
+    engine.add_request("order", prompts_of(engine)[0], sampler.SamplingParams(max_tokens=4, temperature=0.0))
+    turns = run_turns(engine)
+    # The prefill is launched with nothing in flight; each decode is launched before the step before it is read; the
+    # last step's tokens are read in a turn that launches nothing.
+    assert events == ["launch", "launch", "process 1", "launch", "process 1", "launch", "process 1", "process 1"]
+    assert [len(turn.outputs) for turn in turns] == [0, 1, 1, 1, 1]
+    assert engine.stats().overlap.synchronous == {}
+
+
+@pytest.mark.exercise("10.1")
+def test_overlapped_steps_give_the_synchronous_loops_tokens_greedy_and_seeded(engines):
+    overlapping, synchronous = engines
+    prompts = prompts_of(overlapping)
+    overlapped = overlapping.stats().overlap.overlapped
+    seeded = [sampler.SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=i) for i in range(len(prompts))]
+    for params in (GREEDY, seeded):
+        assert overlapping.generate_offline(prompts, params) == synchronous.generate_offline(prompts, params)
+    assert overlapping.stats().overlap.overlapped - overlapped > 20  # the tokens came from overlapped steps
+    assert synchronous.stats().overlap.overlapped == 0
+
+
+@pytest.mark.exercise("10.3")
+def test_preemptions_and_chunks_under_overlap_keep_the_tokens(model_dir, engines):
+    _, synchronous = engines
+    # 8 MiB: 11 blocks of 16 tokens for six sequences of 20-40 tokens: the newest give their blocks back, with a
+    # step in flight, and are recomputed.
+    small = make_engine(FOLDER, model_dir, speculative="off", kv_cache_mb=8, max_num_batched_tokens=64)
+    prompts = prompts_of(small)
+    assert small.generate_offline(prompts, GREEDY) == synchronous.generate_offline(prompts, GREEDY)
+    stats = small.stats()
+    assert stats.preemptions > 0 and stats.overlap.overlapped > 0
+    assert stats.kv_blocks.used == 0 and small.in_flight is None
+
+
+# --- ends, aborts, and the last token ---------------------------------------------------------------------------
+@pytest.mark.exercise("10.3")
+def test_a_sequence_that_ends_in_step_n_never_gets_the_token_step_n_plus_1_computed_for_it(engines):
+    engine, synchronous = engines
+    prompt = prompts_of(engine)[0]
+    [full] = synchronous.generate_offline([prompt], GREEDY)
+    stop = engine.tokenizer.decode(full[5:7])  # a stop string that ends the answer a few tokens in
+    engine.add_request("stops", prompt, sampler.SamplingParams(max_tokens=24, temperature=0.0, stop=[stop]))
+    outputs, dropped = [], 0
+    while engine.has_unfinished():
+        in_flight = engine.in_flight
+        result = engine.step()
+        if in_flight is not None and any(seq.request_id == "stops" for seq in in_flight.sampling):
+            dropped += not [output for output in result.outputs if output.request_id == "stops"]
+        outputs += [output for output in result.outputs if output.request_id == "stops"]
+    assert outputs[-1].finish_reason == "stop" and [output.finished for output in outputs].count(True) == 1
+    tokens = [token for output in outputs for token in output.token_ids]
+    assert tokens == full[: len(tokens)] and len(tokens) <= 7
+    assert stop not in "".join(output.text for output in outputs)
+    assert dropped == 1  # the step after the end computed a token for it, read and dropped
+
+
+@pytest.mark.exercise("10.3")
+def test_an_abort_while_its_step_is_in_flight_frees_its_blocks_once(engines, monkeypatch):
+    engine, _ = engines
+    freed: list[int] = []
+    free = engine.block_manager.free
+    monkeypatch.setattr(engine.block_manager, "free", lambda table: (freed.append(id(table)), free(table))[1])
+    prompts = prompts_of(engine)
+    engine.add_request("stays", prompts[0], GREEDY)
+    engine.add_request("leaves", prompts[1], GREEDY)
+    engine.step()
+    engine.step()  # the first decode is in flight
+    [leaving] = engine.scheduler.sequences["leaves"]
+    assert leaving in engine.in_flight.sampling and leaving.block_table
+    engine.abort("leaves")
+    assert freed.count(id(leaving.block_table)) == 1
+    later = [output.request_id for turn in run_turns(engine) for output in turn.outputs]
+    assert "leaves" not in later and later.count("stays") > 1
+    assert freed.count(id(leaving.block_table)) == 1  # and never again, when its step in flight was read
+    assert engine.stats().kv_blocks.used == 0
+
+
+def test_a_sequence_never_runs_past_max_tokens_while_its_last_token_is_on_the_device(model_dir):
+    # 1 MiB: one block of 16 tokens. A prompt of 10 and 6 new tokens fill it exactly: a step for a 17th token would
+    # need a second block, and the sequence would preempt itself.
+    tiny = make_engine(FOLDER, model_dir, speculative="off", kv_cache_mb=1)
+    assert tiny.kv_capacity_tokens == 16
+    prompt = tiny.encode("The history of the Roman Empire is long and full of wars and emperors")[:10]
+    assert len(prompt) == 10
+    params = sampler.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    tiny.add_request("fills", prompt, params)
+    turns = run_turns(tiny)
+    assert sum(turn.num_tokens for turn in turns) == 10 + 5  # the prompt, and a decode for tokens 2 to 6
+    assert [len(output.token_ids) for turn in turns for output in turn.outputs] == [1] * 6
+    assert tiny.stats().preemptions == 0
+
+
+# --- what cannot overlap ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("params", "reason"), [
+    ({"frequency_penalty": 0.5}, "penalties"),
+    ({"logit_bias": {11: 2.0}}, "penalties"),
+    ({"prompt_logprobs": 1}, "prompt_logprobs"),
+], ids=["frequency", "logit-bias", "prompt-logprobs"])
+def test_a_step_that_needs_a_token_on_the_host_runs_synchronously_and_says_why(engines, params, reason):
+    overlapping, synchronous = engines
+    prompts = prompts_of(overlapping)[:2]
+    before = overlapping.stats().overlap.synchronous.get(reason, 0)
+    each = [sampler.SamplingParams(max_tokens=8, temperature=0.0), sampler.SamplingParams(max_tokens=8, temperature=0.0,
+                                                                                          **params)]
+    assert overlapping.generate_offline(prompts, each) == synchronous.generate_offline(prompts, each)
+    assert overlapping.stats().overlap.synchronous.get(reason, 0) > before
+
+
+def test_steps_with_guesses_run_synchronously_and_give_the_same_tokens(model_dir, engines):
+    _, synchronous = engines
+    guessing = make_engine(FOLDER, model_dir, speculative="ngram", speculative_policy="always", kv_cache_mb=64,
+                           max_num_batched_tokens=64)
+    prompts = [guessing.encode("1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6,"), *prompts_of(guessing)[:2]]
+    assert guessing.generate_offline(prompts, GREEDY) == synchronous.generate_offline(prompts, GREEDY)
+    stats = guessing.stats()
+    assert stats.overlap.synchronous["speculation"] > 0 and stats.speculation.accepted > 0
+
+
+def test_the_policy_charges_guesses_for_the_overlap_they_give_up():
+    policy = stage(FOLDER, "policy")
+    flat = policy.StepCost(((1, 0.010), (64, 0.012)))  # a GPU's step: a few more rows cost little
+    cost = policy.SpeculationCost(verify=flat, decode=flat)
+    assert policy.plan_guesses([0.3], [4], 1, cost) != [0]  # rows nearly free: a guess kept one time in three pays
+    # Add a host's 5 ms that a step with guesses can no longer hide behind the device's: the guesses no longer pay,
+    # but for a sequence whose guesses are nearly always kept.
+    hidden = policy.SpeculationCost(verify=flat, decode=flat, sync=0.005)
+    assert policy.plan_guesses([0.3], [4], 1, hidden) == [0]
+    assert policy.plan_guesses([0.95], [4], 1, hidden) == [4]
+
+
+def test_metrics_and_health_count_overlapped_steps_and_each_reason_to_wait(engines):
+    engine, _ = engines
+    with serve_stage(FOLDER, engine) as server:
+        def counts() -> dict[str, float]:
+            lines = httpx.get(f"{server.url}/metrics").text.splitlines()
+            waited = {line.split('reason="')[1].split('"')[0]: float(line.split()[-1]) for line in lines
+                      if line.startswith("llm_sync_steps_total{")}
+            overlapped = next(float(line.split()[-1]) for line in lines
+                              if line.startswith("llm_overlapped_steps_total"))
+            return waited | {"overlapped": overlapped}
+
+        before = counts()
+        for penalty in (0.5, 0.0):
+            server.client().completions.create(model=MODEL, prompt="The history of the Roman Empire", max_tokens=8,
+                                               temperature=0, frequency_penalty=penalty,
+                                               extra_body={"ignore_eos": True})
+        assert server.wait_idle()
+        after = counts()
+        assert after["penalties"] - before.get("penalties", 0) == 8  # each step of the first: its prefill, 7 decodes
+        assert after["overlapped"] - before["overlapped"] == 7  # each step of the second but its first
+        health = httpx.get(f"{server.url}/health").json()
+        assert health["overlap"] == {"overlapped": engine.num_overlapped, "synchronous": engine.sync_steps}
