@@ -356,11 +356,11 @@ class Scheduler:
         seq.forks = []
 
     # --- overlap: a launched step, and its tokens read later --------------------------------------
-    def launched(self, batch: Batch) -> list[Sequence]:
+    def launched(self, batch: Batch) -> None:
         """``batch`` is launched, and its tokens will be read only after the next step is launched. Count its tokens
         as computed now (the next step's sequences must see them so), index the blocks they filled whose tokens the
         host knows, start the other samples of a request whose prompt is now cached, and give every sequence that
-        samples a pending token: its row in the step's sampled tokens. Returns those sequences, row by row."""
+        samples a pending token: its row in the step's sampled tokens (their order in the batch)."""
         sampling = [seq for seq in batch.seqs if seq.samples_next_token]
         for seq in batch.seqs:
             assert not seq.num_lookahead_slots, "a step with guesses cannot overlap: its proposer reads the last token"
@@ -373,7 +373,6 @@ class Scheduler:
                 self._fork(seq)
         for row, seq in enumerate(sampling):
             seq.pending_rows.append(row)
-        return sampling
 
     def update_launched(self, sampling: list[Sequence], token_ids: list[int], logprobs: list[TokenLogprobs | None],
                         clock: StepClock | None = None) -> list[RequestOutput]:
