@@ -15,8 +15,9 @@ from common.device import DeviceUnavailable, build_off_the_main_thread, pick_dev
 from common.limits import Limits, add_limit_args
 from common.trace import Tracer, add_trace_args
 
-from .async_engine import AsyncEngine
+from .async_engine import AsyncEngine, CoreFailedToStart
 from .config import EngineConfig
+from .core import describe
 from .distributed import RanksOutOfStep, under_torchrun
 from .engine import Engine, token_budget
 from .sampler import SamplingParams
@@ -72,62 +73,30 @@ def main() -> None:
     if under_torchrun() and int(os.environ["RANK"]) > 0:  # torchrun started this process as a worker
         run_worker(int(os.environ["RANK"]), "env://", config, token_budget(config, pick_device(config.device)))
         return
+    if not args.demo:
+        serve(config, args)  # the engine is built in the core's own process
+        return
     engine = start_engine(config)
     try:
-        describe(engine, args)
-        if args.demo:
-            demo(engine, args.max_tokens)
-        else:
-            serve(engine, args)
+        describe(engine)
+        demo(engine, args.max_tokens)
     finally:
-        engine.shutdown()  # every other rank stops too (the server's shutdown has done it already)
+        engine.shutdown()  # every other rank stops too
 
 
-def describe(engine: Engine, args) -> None:
-    """What the engine holds and does: the model, the pool, the step, the caches, the ranks, graphs, speculation."""
-    cache = engine.kv_cache
-    print(f"Loaded {args.model} on {engine.device} ({engine.dtype}), context {engine.max_model_len} tokens")
-    print(f"KV cache: {cache.num_blocks} blocks x {args.block_size} tokens = {engine.kv_capacity_tokens} tokens, "
-          f"{cache.num_bytes / 2**20:.0f} MiB ({cache.shape.bytes_per_token} bytes per token)")
-    print(f"Steps: up to {args.max_num_seqs} sequences, {engine.max_num_batched_tokens} tokens (decodes and their "
-          "guesses first, then prompt chunks)")
-    print(f"Prefix cache: {args.prefix_cache}")
-    others = " (each of the others prints its own)" if engine.tp.size > 1 else ""
-    group = " in a process group of one" if engine.tp.size == 1 and engine.tp.group is not None else ""
-    print(f"Tensor parallel{group}: {engine.memory_report()}{others}")
-    runner = engine.runner
-    if runner.capture_seconds is not None:
-        print(f"CUDA graphs: decode steps captured for batch sizes {runner.sizes}, steps with guesses for "
-              f"{runner.verify_sizes} rows, in {runner.capture_seconds:.1f} s, holding "
-              f"{runner.graph_memory_bytes / 2**20:.0f} MiB of the GPU")
-    else:
-        why = "--enforce-eager" if args.enforce_eager else "they need CUDA and the Triton kernels"
-        print(f"CUDA graphs: off ({why}); steps run eagerly from static buffers: decodes in buckets {runner.sizes}, "
-              f"steps with guesses in buckets of {runner.verify_sizes} rows")
-    if args.speculative == "draft":
-        draft = engine.proposer.model.config
-        source = args.draft_model or f"the model's first {draft.num_layers} of {engine.model.config.num_layers} layers"
-        print(f"Speculation: a draft model ({source}) guesses k = {args.num_speculative_tokens} tokens; its cache "
-              f"{engine.draft_kv_cache.num_bytes / 2**20:.0f} MiB")
-    elif args.speculative == "ngram":
-        print(f"Speculation: n-gram prompt lookup guesses k = {args.num_speculative_tokens} tokens")
-    else:
-        print("Speculation: off")
-    if args.disable_overlap:
-        print("Overlap scheduling: off (--disable-overlap): each step's tokens are read before the next is scheduled")
-    else:
-        print("Overlap scheduling: step N + 1 is launched before step N's tokens are read; steps with guesses or "
-              "penalties, prompt logprobs, or several ranks wait for the step before")
-
-
-def serve(engine: Engine, args) -> None:
+def serve(config: EngineConfig, args) -> None:
+    """The engine core in a process of its own (it builds the engine and describes it), this one the API server."""
     import uvicorn
 
     from .server import create_app
 
     tracer = Tracer.from_args(args)
-    app = create_app(AsyncEngine(engine, tracer=tracer), served_name(args.model), Limits.from_args(args), tracer)
-    uvicorn.run(app, host=args.host, port=args.port)
+    try:
+        engine = AsyncEngine(config, tracer=tracer)
+    except CoreFailedToStart as exc:  # no such device, a bad budget or draft, a rank that exited at start-up
+        raise SystemExit(f"error: {exc}") from None
+    app = create_app(engine, served_name(args.model), Limits.from_args(args), tracer)
+    uvicorn.run(app, host=args.host, port=args.port)  # its lifespan stops the core (and the other ranks)
 
 
 if __name__ == "__main__":

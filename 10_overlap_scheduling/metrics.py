@@ -32,13 +32,13 @@ class Metrics:
         self.itl = Histogram("llm_inter_token_latency_seconds", "Time between two tokens of a request.",
                              buckets=LATENCY_BUCKETS, registry=r)
         # Busy is not efficient: a step of one sequence counts as much as a step of 64.
-        self.engine_busy = Counter("llm_engine_busy_seconds", "Seconds the engine thread spent computing "
+        self.engine_busy = Counter("llm_engine_busy_seconds", "Seconds the engine core spent computing "
                                    "(not waiting for work); its rate is the engine's busy fraction.", registry=r)
         # Where a token's time goes: the model's (execute) and the server's own (every other phase).
         self.step_phase = Histogram("llm_step_phase_seconds", "Time of each phase of an engine step: schedule, "
                                     "propose, prepare, execute (the forward pass), verify, update, detokenize, and "
-                                    "handoff (its outputs counted and passed to the event loop).", ["phase"],
-                                    buckets=PHASE_BUCKETS, registry=r)
+                                    "handoff (its outputs sent through the core's pipe and passed to the event "
+                                    "loop).", ["phase"], buckets=PHASE_BUCKETS, registry=r)
         self.decode_step = Histogram("llm_decode_step_seconds", "The forward pass (execute) of each step, once for "
                                      "each sequence that decoded in it: its mean is the model's part of an "
                                      "inter-token latency.", buckets=PHASE_BUCKETS, registry=r)

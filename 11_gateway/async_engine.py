@@ -1,110 +1,132 @@
-"""The engine thread and its bridge to asyncio: the HTTP side submits requests and reads outputs, the
-thread alone drives the engine. Each turn of its loop hands over the news of the step the engine just processed,
-while the step it launched runs."""
+"""The API process's side of the engine core: it submits requests and aborts as messages through the core's pipe,
+and a reader thread hands each turn's news to asyncio. The core itself runs in its own process (``core.py``)."""
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
-import queue
+import multiprocessing as mp
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 
-from common.trace import NO_TRACE, RequestTrace, StepClock, Tracer
+from common.trace import NO_TRACE, RequestTrace, Tracer
+from common.weights import load_tokenizer, resolve_model
 
-from .engine import Engine, EngineStopped, InvalidRequest
+from .config import EngineConfig
+from .core import AbortRequest, AddRequest, CoreInput, EngineCore, Ready, Shutdown, StartFailed, StepNews, core_main
+from .engine import Engine, EngineStopped, encode, encode_chat
 from .metrics import Metrics
 from .sampler import SamplingParams
-from .sequence import Request, RequestOutput, StepResult
+from .sequence import Request, RequestOutput
 from .stats import EngineStats
 
 log = logging.getLogger("llm-course")
+STOP_S = 10.0  # how long stop() waits for the core to exit before it kills it
 
 
-# --- what the HTTP side sends the engine thread ------------------------------------------------------
-
-
-@dataclass
-class AddRequest:
-    request: Request
-
-
-@dataclass
-class AbortRequest:
-    request_id: str  # its client left
-
-
-@dataclass
-class Shutdown:
-    pass
-
-
-InboxMessage = AddRequest | AbortRequest | Shutdown
-RANK_CHECK_S = 1.0  # how often an idle engine checks that its other ranks are alive
+class CoreFailedToStart(RuntimeError):
+    """The core process could not build the engine (the reason is its error's message)."""
 
 
 class AsyncEngine:
-    """Runs the engine's step loop on its own thread and bridges it to asyncio.
+    """The engine core's client, for asyncio: ``generate`` sends an ``AddRequest`` and reads the request's outputs
+    from its own asyncio queue; ``stats()`` returns the snapshot that came with the core's last news.
 
-    The HTTP side never touches the engine: ``generate`` puts the request in an inbox and reads
-    outputs from the request's own asyncio queue, and ``stats()`` returns the snapshot the thread
-    took after its last step. The thread takes everything from the inbox (new requests, aborts)
-    between two steps, so the engine is only ever used by one thread.
+    Given an ``EngineConfig`` (what a server does), the core is a child process that builds the engine: ``spawn``,
+    not ``fork``, so that it starts without this process's threads (and on CUDA, without its CUDA state). Given an
+    ``Engine`` already built (a test that reaches into it), the same loop runs on a thread of this process, with the
+    same messages through the same pipe.
 
-    A step's outputs cross to the event loop together, in one call: each crossing wakes the loop (a write
-    to its self-pipe, a system call), so one per output would cost a batch of 64 sixty-four wake-ups.
+    A turn's outputs cross to the event loop together, in one call: each crossing wakes the loop (a write to its
+    self-pipe, a system call), so one per output would cost a batch of 64 sixty-four wake-ups.
     """
 
-    def __init__(self, engine: Engine, metrics: Metrics | None = None, tracer: Tracer = NO_TRACE) -> None:
-        self._engine = engine
-        self._tracer = tracer  # with --trace, each step's phases too
-        # What the server may read from any thread: fixed at start-up.
-        self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.max_model_len
-        self.kv_capacity_tokens = engine.kv_capacity_tokens
+    def __init__(self, source: Engine | EngineConfig, metrics: Metrics | None = None, tracer: Tracer = NO_TRACE,
+                 threads: int | None = None) -> None:
+        self._tracer = tracer  # with --trace, each turn's phases too
         self.metrics = metrics or Metrics()
-        self._stats = engine.stats()  # replaced (never modified) by the engine thread
+        self._conn, core_end = mp.Pipe()
+        self._core: BaseProcess | threading.Thread
+        if isinstance(source, Engine):
+            self.tokenizer = source.tokenizer
+            self._core = threading.Thread(target=EngineCore(source, core_end).run, name="engine-core", daemon=True)
+            ready = Ready(source.max_model_len, source.kv_capacity_tokens, source.stats())
+        else:
+            self.tokenizer = load_tokenizer(resolve_model(source.model))
+            self._core = mp.get_context("spawn").Process(target=core_main, args=(source, core_end, threads),
+                                                         name="engine-core")
+            self._core.start()  # not a daemon: with several ranks, the core starts their processes
+            core_end.close()  # the child holds its end: when it exits, this side reads the end of the pipe
+            ready = self._wait_until_ready()
+            atexit.register(self.stop)  # before multiprocessing's own exit handler waits for the child
+        # What the server may read from any thread: fixed at start-up.
+        self.max_model_len = ready.max_model_len
+        self.kv_capacity_tokens = ready.kv_capacity_tokens
+        self._stats = self._counted = ready.stats  # replaced (never modified) by the reader thread
         self.metrics.watch(self.stats)
-        self._inbox: queue.Queue[InboxMessage] = queue.Queue()
-        self._requests: dict[str, Request] = {}  # owned by the engine thread
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
-        self._lock = threading.Lock()  # so that no request slips into the inbox after the thread's last look
-        self._stopped = False  # set under the lock when the thread exits: submitting then fails fast
+        self._reader = threading.Thread(target=self._read, name="core-reader", daemon=True)
+        self._requests: dict[str, Request] = {}  # awaiting news; added under the lock, removed by the reader
+        self._lock = threading.Lock()  # registering a request against the reader's last look
+        self._send_lock = threading.Lock()  # one message at a time into the pipe
+        self._stopped = False  # set under the lock when the core's pipe ends: submitting then fails fast
         self._next_id = 0
         self._num_steps = 0
-        self._counted = self._stats  # the snapshot the counters were last moved to
+
+    def _wait_until_ready(self) -> Ready:
+        try:
+            message = self._conn.recv()
+        except EOFError:
+            raise CoreFailedToStart(f"the engine core exited while starting (exit code {self._core_exitcode()})") \
+                from None
+        if isinstance(message, StartFailed):
+            self._core.join()
+            raise CoreFailedToStart(message.reason)
+        assert isinstance(message, Ready), message
+        return message
 
     def start(self) -> None:
-        self._thread.start()
+        if isinstance(self._core, threading.Thread):
+            self._core.start()
+        self._reader.start()
 
     def stop(self) -> None:
-        self._inbox.put(Shutdown())
-        self._thread.join(timeout=10)
+        """Ask the core to stop, wait for it (then kill it, if it does not), and for the last of its news."""
+        self._send(Shutdown())
+        self._core.join(timeout=STOP_S)
+        if isinstance(self._core, BaseProcess) and self._core.is_alive():
+            log.error("the engine core did not stop in %.0f s: killed", STOP_S)
+            self._core.kill()
+            self._core.join()
+        if self._reader.is_alive():
+            self._reader.join(timeout=STOP_S)
+        else:  # never started (a server that never served): nothing reads the pipe
+            self._conn.close()
 
     @property
     def alive(self) -> bool:
-        """Serving: the thread runs and has not begun to stop (stopping the other ranks takes a moment)."""
-        return self._thread.is_alive() and not self._stopped
+        """Serving: the core's pipe is open (the core has not exited, nor begun to stop)."""
+        return self._reader.is_alive() and not self._stopped
 
     def stats(self) -> EngineStats:
         return self._stats
 
     def encode(self, prompt: str) -> list[int]:
-        return self._engine.encode(prompt)
+        return encode(self.tokenizer, prompt)
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return self._engine.encode_chat(messages)
+        return encode_chat(self.tokenizer, messages)
 
     # --- the HTTP side (asyncio) ----------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams, trace: RequestTrace | None = None,
                        n: int = 1) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its outputs as the engine thread produces them.
+        """Submit a request and yield its outputs as the core's news brings them.
 
         A failure arrives as an output with ``error`` set (the last one). If the consumer stops
-        early (the client disconnected, the task was cancelled), the ``finally`` asks the engine
-        thread to drop the request, which frees its blocks.
+        early (the client disconnected, the task was cancelled), the ``finally`` asks the core
+        to drop the request, which frees its blocks.
         """
         self._next_id += 1
         request = Request(f"req-{self._next_id}", prompt_ids, params, loop=asyncio.get_running_loop(),
@@ -112,10 +134,11 @@ class AsyncEngine:
         with self._lock:
             stopped = self._stopped
             if not stopped:
-                self._inbox.put(AddRequest(request))
+                self._requests[request.request_id] = request  # before the add: its news may come at once
         if stopped:
             yield RequestOutput.failed(request.request_id, EngineStopped("the engine has stopped"), len(prompt_ids))
             return
+        self._send(AddRequest(request.request_id, prompt_ids, params, n, request.trace.tracer is not None))
         try:
             unfinished = request.n  # samples still running; one error ends the request
             while True:
@@ -127,104 +150,77 @@ class AsyncEngine:
                     return
         finally:
             if not request.finished:
-                self._inbox.put(AbortRequest(request.request_id))
+                with self._lock:
+                    self._requests.pop(request.request_id, None)
+                self._send(AbortRequest(request.request_id))
 
-    # --- the engine thread ----------------------------------------------------------------
-    def _run(self) -> None:
-        stopped = EngineStopped("the engine stopped before this request finished")
-        failed = True  # until the loop returns: a rank gone, a GPU failed, a bug
+    def _send(self, message: CoreInput) -> None:
+        """One message to the core (the event loop's adds and aborts, stop()'s Shutdown: one at a time). A large
+        prompt may wait here for the core to finish its step and read the pipe."""
+        with self._send_lock:
+            try:
+                self._conn.send(message)
+            except OSError:  # the core has exited: the reader fails what was waiting
+                pass
+
+    # --- the reader thread ----------------------------------------------------------------
+    def _read(self) -> None:
+        """Hand each turn's news to the event loop until the core's end of the pipe closes: then fail, at once,
+        whatever still waits (the core died, or stopped without answering it)."""
         try:
-            self._step_loop()
-            failed = False
-        except EngineStopped as exc:  # the engine cannot go on (the GPU failed, a rank died): stop serving, say why
-            log.error("%s", exc)
-            stopped = exc
-        finally:  # a normal stop, or a bug that killed the thread: fail whatever is left at once
+            while True:
+                try:
+                    news: StepNews = self._conn.recv()
+                except (EOFError, OSError):
+                    break
+                self._take(news)
+        finally:
             with self._lock:
                 self._stopped = True
-            failed_outputs = []
-            for request_id, request in self._requests.items():
-                self._engine.abort(request_id)  # its blocks go back to the pool
-                failed_outputs.append((request, RequestOutput.failed(request_id, stopped, len(request.prompt_ids))))
-            self._requests.clear()
-            while not self._inbox.empty():
-                if isinstance(message := self._inbox.get(), AddRequest):
-                    request = message.request
-                    failed_outputs.append((request, RequestOutput.failed(request.request_id, stopped,
-                                                                         len(request.prompt_ids))))
-            self._deliver(failed_outputs)
-            self._stats = self._engine.stats()
-            self._engine.shutdown(graceful=not failed)  # the other ranks stop too
+                waiting, self._requests = list(self._requests.values()), {}
+            self._conn.close()
+            if waiting:
+                stopped = EngineStopped(f"the engine core exited (exit code {self._core_exitcode()})")
+                deliver([(request, RequestOutput.failed(request.request_id, stopped, len(request.prompt_ids)))
+                         for request in waiting])
 
-    def _step_loop(self) -> None:
-        while True:
-            # Idle: sleep until something arrives. Busy: take what has arrived, without waiting.
-            if not self._drain_inbox(block=not self._engine.has_unfinished()):
-                return
-            clock = StepClock()
-            result = self._engine.step(clock)
-            stats = self._engine.stats()
-            self.metrics.count(self._counted, stats)  # the counters move before the new snapshot is published:
-            self._stats = self._counted = stats  # whoever sees an idle engine sees its counters complete
-            self.metrics.count_verifications(result.accepted_lengths)
-            now = time.perf_counter()
-            ready = []
-            for output in result.outputs:
-                if (request := self._requests.get(output.request_id)) is None:
-                    continue  # another of its samples failed in this step: the request has ended
+    def _take(self, news: StepNews) -> None:
+        self.metrics.prompt_tokens.inc(news.prompt_tokens)
+        self.metrics.count(self._counted, news.stats)  # the counters move before the new snapshot is published:
+        self._stats = self._counted = news.stats  # whoever sees an idle engine sees its counters complete
+        self.metrics.count_verifications(news.accepted_lengths)
+        for request_id, spans in news.spans.items():  # a request's spans may come a turn before its output
+            if (traced := self._requests.get(request_id)) is not None:
+                traced.trace.spans.extend(spans)
+        now = time.perf_counter()
+        ready = []
+        for output in news.outputs:
+            with self._lock:
+                request = self._requests.get(output.request_id)
+                if request is None:
+                    continue  # its client has left
                 request.num_finished += output.finished
-                if output.error is not None:  # one sample failed: the request fails, its other samples stop
-                    self._engine.abort(output.request_id)
                 if request.num_finished == request.n or output.error is not None:
                     del self._requests[output.request_id]
-                if output.error is None:
-                    self._record(request, output, now)
-                ready.append((request, output))
-            self._deliver(ready)
-            clock.lap("handoff")
-            self._observe(clock, result)
+            if output.error is None:
+                self._record(request, output, now)
+            ready.append((request, output))
+        deliver(ready)
+        self._observe(news)
 
-    def _observe(self, clock: StepClock, result: StepResult) -> None:
+    def _observe(self, news: StepNews) -> None:
         """A turn's phases into /metrics (and --trace): the step it launched and the step before it that it processed
-        (the last step's tokens are read in a turn that launches nothing). An idle look at the scheduler is no step."""
-        if not result.num_tokens and not result.outputs:
+        (the last step's tokens are read in a turn that launches nothing), and ``handoff``, from the end of the turn
+        in the core to its outputs handed to the event loop here (pickled, through the pipe, read: one clock, the
+        machine's monotonic one, for both processes). An idle look at the scheduler is no step."""
+        clock = news.clock
+        if clock is None or (not news.num_tokens and not news.outputs):
             return
+        clock.lap("handoff")
         self.metrics.engine_busy.inc(clock.last - clock.started)  # its rate: the busy fraction
-        self.metrics.observe_step(clock.phases, result.num_decoding)
+        self.metrics.observe_step(clock.phases, news.num_decoding)
         self._num_steps += 1
-        self._tracer.write_step(self._num_steps, clock, len(result.outputs), result.num_tokens, result.num_decoding)
-
-    def _drain_inbox(self, block: bool) -> bool:
-        """Apply every queued add and abort; False when asked to stop. Idle, check every second that the
-        other ranks are still there: a dead one stops the engine, and /health says so."""
-        while True:
-            try:
-                watch = block and self._engine.tp.size > 1  # idle, with ranks to check on
-                message = self._inbox.get(block=block, timeout=RANK_CHECK_S if watch else None)
-            except queue.Empty:
-                if block:  # idle: the time to check on the ranks
-                    self._engine.check_ranks()
-                    continue
-                break
-            if isinstance(message, Shutdown):
-                return False
-            if isinstance(message, AddRequest):
-                self._add(message.request)
-            elif message.request_id in self._requests:  # an abort of a request that has not finished yet
-                del self._requests[message.request_id]
-                self._engine.abort(message.request_id)
-            block = False  # after the first message, take only what is already there
-        self._stats = self._engine.stats()
-        return True
-
-    def _add(self, request: Request) -> None:
-        try:
-            self._engine.add_request(request.request_id, request.prompt_ids, request.params, request.trace, request.n)
-        except InvalidRequest as exc:
-            self._deliver([(request, RequestOutput.failed(request.request_id, exc, len(request.prompt_ids)))])
-            return
-        self._requests[request.request_id] = request
-        self.metrics.prompt_tokens.inc(len(request.prompt_ids))
+        self._tracer.write_step(self._num_steps, clock, len(news.outputs), news.num_tokens, news.num_decoding)
 
     def _record(self, request: Request, output: RequestOutput, now: float) -> None:
         self.metrics.generation_tokens.inc(len(output.token_ids))
@@ -236,18 +232,25 @@ class AsyncEngine:
             self.metrics.itl.observe(now - request.last_token_time)
         request.last_token_time = now
 
-    @staticmethod
-    def _deliver(ready: list[tuple[Request, RequestOutput]]) -> None:
-        """Hand outputs to their requests' asyncio queues from this (non-asyncio) thread: one call per event
-        loop (a server has one), whatever the number of outputs."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Request, RequestOutput]]] = {}
-        for request, output in ready:
-            by_loop.setdefault(request.loop, []).append((request, output))
-        for loop, outputs in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(put_all, outputs)
-            except RuntimeError:  # the event loop is closed: nobody is listening any more
-                pass
+    def _core_exitcode(self) -> int | None:
+        """The core process's exit code (a negative one: the signal that killed it); None for a thread."""
+        if isinstance(self._core, BaseProcess):
+            self._core.join(timeout=1.0)  # its pipe has closed: it is exiting, if not gone
+            return self._core.exitcode
+        return None
+
+
+def deliver(ready: list[tuple[Request, RequestOutput]]) -> None:
+    """Hand outputs to their requests' asyncio queues from this (non-asyncio) thread: one call per event
+    loop (a server has one), whatever the number of outputs."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Request, RequestOutput]]] = {}
+    for request, output in ready:
+        by_loop.setdefault(request.loop, []).append((request, output))
+    for loop, outputs in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(put_all, outputs)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
 
 
 def put_all(ready: list[tuple[Request, RequestOutput]]) -> None:

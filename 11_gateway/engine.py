@@ -33,8 +33,8 @@ tokens. A sequence that ends in step N (EOS, a stop string) has had a token comp
 which is dropped unread; one that reaches ``max_tokens`` is never scheduled past it. A step that needs a token on
 the host (guesses to propose, penalties to count, ranks to send it to) waits for the step before it, and says why.
 
-``Engine`` is the core (``add_request``, ``step``, ``abort``); ``AsyncEngine`` (``async_engine.py``) runs its
-loop on a thread for the asyncio server.
+``Engine`` is the core (``add_request``, ``step``, ``abort``); a server runs its loop in a process of its own
+(``core.py``), which the API process talks to through ``AsyncEngine`` (``async_engine.py``).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from common.device import pick_device, pick_dtype
 from common.trace import RequestTrace, StepClock
@@ -88,7 +89,7 @@ class InvalidRequest(ValueError):
 
 
 class EngineStopped(RuntimeError):
-    """The engine thread has exited: nothing it held or was sent will ever be served."""
+    """The engine core has exited: nothing it held or was sent will ever be served."""
 
 
 def make_index(kind: str, block_size: int) -> PrefixIndex | None:
@@ -125,6 +126,17 @@ def sample_seed(seed: int | None, index: int) -> int | None:
     if seed is None or index == 0:
         return seed
     return (seed + index * 0x9E3779B97F4A7C15) % 2**64
+
+
+def encode(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
+    return tokenizer(prompt).input_ids
+
+
+def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:
+    """Render the conversation with the model's chat template, ready for the assistant's turn. (Functions of the
+    tokenizer alone: the API process tokenizes with them, and has no engine.)"""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False).input_ids  # the template has them
 
 
 class Engine:
@@ -252,12 +264,10 @@ class Engine:
 
     # --- text <-> token ids ---------------------------------------------------------------
     def encode(self, prompt: str) -> list[int]:
-        return self.tokenizer(prompt).input_ids
+        return encode(self.tokenizer, prompt)
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Render the conversation with the model's chat template, ready for the assistant's turn."""
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer(text, add_special_tokens=False).input_ids  # the template has them
+        return encode_chat(self.tokenizer, messages)
 
     # --- requests in and out --------------------------------------------------------------
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:

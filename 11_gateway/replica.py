@@ -1,6 +1,7 @@
 """A replica: one stage 10 server, whole, inside a Ray Serve replica.
 
-The replica builds the engine and the OpenAI app exactly as ``python -m 10_overlap_scheduling`` does, and the
+The replica starts the engine core (its own child process) and the OpenAI app exactly as
+``python -m 10_overlap_scheduling`` does, and the
 gateway calls that app in-process, over ASGI: the request's method, path and body go in, the response
 comes back as it is sent (its status and headers, then each piece of its body). So every check, every
 error object and every stream is stage 10's own, and a client that leaves the gateway leaves the app as
@@ -21,15 +22,11 @@ from contextlib import suppress
 from dataclasses import asdict
 from typing import Any
 
-import torch
 from fastapi import FastAPI
 from starlette.types import Message
 
-from common.device import build_off_the_main_thread
-
 from .async_engine import AsyncEngine
 from .config import EngineConfig
-from .engine import Engine
 from .messages import EngineReport, ResponseStart
 from .server import create_app
 
@@ -40,10 +37,10 @@ class ModelReplica:
     """A stage 10 engine and its app. ``fleet.py`` makes it a Ray Serve deployment; a test can build one bare."""
 
     def __init__(self, config: EngineConfig, served_name: str, threads: int = 1) -> None:
-        torch.set_num_threads(threads)  # Ray reserved these cores for this process
         self.replica = replica_id()
         self.served_name = served_name
-        self.engine = AsyncEngine(build_off_the_main_thread(lambda: Engine(config)))
+        # The engine core is this replica's child process, computing on the cores Ray reserved for the replica.
+        self.engine = AsyncEngine(config, threads=threads)
         self.app: FastAPI = create_app(self.engine, served_name)
         self.engine.start()  # (the app's lifespan would start it; called over ASGI, the app has none)
 

@@ -1,4 +1,4 @@
-"""Request state. ``Sequence`` is what the engine thread knows about one request; ``Request`` is
+"""Request state. ``Sequence`` is what the engine core knows about one request; ``Request`` is
 what the HTTP side holds while it waits for that request's tokens; ``RequestOutput`` goes between,
 and ``StepResult`` is what one engine step produced."""
 
@@ -156,7 +156,7 @@ def placeholder(row: int) -> int:
 
 @dataclass
 class Request:
-    """The HTTP side's handle: where the engine thread delivers this request's outputs (or an error)."""
+    """The HTTP side's handle: where the core's news delivers this request's outputs (or an error)."""
 
     request_id: str
     prompt_ids: list[int]

@@ -1,7 +1,7 @@
 """HTTP layer: an OpenAI-compatible FastAPI server that streams tokens as server-sent events.
 
-The handlers only validate, tokenize and translate; generation happens on the engine thread.
-Each token travels engine thread -> asyncio queue -> SSE chunk as soon as it is sampled; when a step
+The handlers only validate, tokenize and translate; generation happens in the engine core's own process.
+Each token travels core -> pipe -> asyncio queue -> SSE chunk as soon as it is sampled; when a step
 brings a choice several tokens at once (its accepted guesses), they travel as one chunk.
 
 A request must fit in the KV-cache pool: one that never could is refused before it starts. With
@@ -273,7 +273,7 @@ def sse_response(
 
     async def events() -> AsyncIterator[str]:
         # If the client disconnects, Starlette cancels this generator; closing ``outputs`` then
-        # aborts the request on the engine thread (see AsyncEngine.generate).
+        # aborts the request in the engine core (see AsyncEngine.generate).
         try:
             ### BEGIN SOLUTION 2.4
             for item in first:

@@ -1,5 +1,5 @@
-"""What the engine reports of itself: frozen snapshots, taken on the engine thread after each step and read
-by ``/health`` and ``/metrics`` from any thread (a snapshot is replaced, never modified)."""
+"""What the engine reports of itself: frozen snapshots, taken in the engine core after each step, sent with its news,
+and read by ``/health`` and ``/metrics`` from any thread (a snapshot is replaced, never modified)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ class OverlapStats:
 
 @dataclass(frozen=True)
 class EngineStats:
-    """The engine's load at one moment, taken on the engine thread (``/health`` and ``/metrics`` read it)."""
+    """The engine's load at one moment, taken in the engine core (``/health`` and ``/metrics`` read it)."""
 
     running: int
     waiting: int

@@ -10,12 +10,18 @@ before, run for this stage in the every-stage tests.)"""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
+import time
+
 import httpx
 import pytest
 import torch
 
 from .conftest import make_engine, serve_stage, stage
 from .prompts import CHAT_PROMPTS, TEXT_PROMPTS
+from .servers import start_fastapi
 
 FOLDER = "10_overlap_scheduling"
 model_runner = stage(FOLDER, "model_runner")
@@ -237,3 +243,79 @@ def test_metrics_and_health_count_overlapped_steps_and_each_reason_to_wait(engin
         assert after["overlapped"] - before["overlapped"] == 7  # each step of the second but its first
         health = httpx.get(f"{server.url}/health").json()
         assert health["overlap"] == {"overlapped": engine.num_overlapped, "synchronous": engine.sync_steps}
+
+
+# --- the engine core in its own process ------------------------------------------------------------------------
+async_engine_module = stage(FOLDER, "async_engine")
+core_module = stage(FOLDER, "core")
+
+
+def core_config(model_dir, **overrides):
+    fields = {"model": str(model_dir), "device": "cpu", "dtype": "float32", "speculative": "off",
+              "kv_cache_mb": 64, "max_num_batched_tokens": 64} | overrides
+    return stage(FOLDER, "config").EngineConfig(**fields)
+
+
+async def collect(engine, prompt_ids: list[int], params) -> list:
+    return [output async for output in engine.generate(prompt_ids, params)]
+
+
+def test_a_core_process_answers_hugging_faces_tokens_one_message_a_turn_and_stops_cleanly(model_dir, hf_greedy,
+                                                                                         monkeypatch):
+    """A server's engine runs in a child process: greedy tokens through the pipe are Hugging Face's; each turn's
+    news is one message for the whole batch; a client that leaves frees its blocks there; Shutdown ends it (exit 0)."""
+    engine = async_engine_module.AsyncEngine(core_config(model_dir))
+    assert engine._core.pid != os.getpid() and engine._core.is_alive()
+    news_sizes = []
+    take = engine._take
+    monkeypatch.setattr(engine, "_take", lambda news: (news_sizes.append(len(news.outputs)), take(news)))
+    engine.start()
+    prompts = [engine.encode(p) for p in TEXT_PROMPTS] + [engine.encode_chat([{"role": "user", "content": p}])
+                                                           for p in CHAT_PROMPTS]
+
+    async def run() -> tuple[list[list], list]:
+        answers = await asyncio.gather(*(collect(engine, ids, GREEDY) for ids in prompts))
+        stream = engine.generate(prompts[0], sampler.SamplingParams(max_tokens=200, temperature=0.0))
+        left = [await anext(stream) for _ in range(3)]
+        await stream.aclose()  # the client left after 3 tokens: the core drops the request
+        return answers, left
+
+    answers, left = asyncio.run(run())
+    for ids, outputs in zip(prompts, answers, strict=True):
+        assert [token for output in outputs for token in output.token_ids] == hf_greedy(ids, GREEDY.max_tokens)
+        assert outputs[-1].finished and outputs[-1].error is None
+    assert len(left) == 3 and not left[-1].finished
+    assert max(news_sizes) >= len(prompts) // 2  # one message carried many requests' tokens
+    deadline = time.monotonic() + 10
+    while engine.stats().kv_blocks.used or engine.stats().running:  # the abort reached the core, which freed
+        assert time.monotonic() < deadline, engine.stats()
+        time.sleep(0.05)
+    engine.stop()
+    assert engine._core.exitcode == 0 and not engine.alive
+
+
+def test_a_core_process_that_dies_fails_its_requests_at_once_and_the_server_says_503(model_dir):
+    engine = async_engine_module.AsyncEngine(core_config(model_dir))
+    with start_fastapi(stage(FOLDER, "server").create_app(engine, MODEL)) as server:
+        client = httpx.Client(base_url=server.url, timeout=30)
+        with client.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "Once upon a time",
+                                                             "max_tokens": 500, "stream": True,
+                                                             "ignore_eos": True}) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            os.kill(engine._core.pid, signal.SIGKILL)  # the core dies mid-stream
+            rest = [line for line in lines if line.startswith("data:")]
+        assert "engine_stopped" in rest[-2] and rest[-1] == "data: [DONE]"  # the stream ends with the error
+        assert client.get("/health").status_code == 503
+        refused = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_stopped"
+    assert engine._core.exitcode == -signal.SIGKILL
+
+
+def test_a_core_that_cannot_start_says_why_and_a_core_whose_api_process_left_exits(model_dir):
+    with pytest.raises(async_engine_module.CoreFailedToStart, match="--max-num-batched-tokens 8 is below"):
+        async_engine_module.AsyncEngine(core_config(model_dir, max_num_seqs=64, max_num_batched_tokens=8))
+    engine = async_engine_module.AsyncEngine(core_config(model_dir))
+    engine._conn.close()  # as if the API process had been killed: the core reads the end of its pipe
+    engine._core.join(timeout=30)
+    assert engine._core.exitcode == 0
