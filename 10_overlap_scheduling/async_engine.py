@@ -1,5 +1,6 @@
 """The API process's side of the engine core: it submits requests and aborts as messages through the core's pipe,
-and a reader thread hands each turn's news to asyncio. The core itself runs in its own process (``core.py``)."""
+and a reader thread detokenizes each turn's news, applies the stop strings and hands the outputs to asyncio. The
+core itself runs in its own process (``core.py``) and sends token ids only."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import multiprocessing as mp
 import threading
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from multiprocessing.process import BaseProcess
 
 from common.trace import NO_TRACE, RequestTrace, Tracer
@@ -17,6 +19,7 @@ from common.weights import load_tokenizer, resolve_model
 
 from .config import EngineConfig
 from .core import AbortRequest, AddRequest, CoreInput, EngineCore, Ready, Shutdown, StartFailed, StepNews, core_main
+from .detokenizer import IncrementalDetokenizer
 from .engine import Engine, EngineStopped, encode, encode_chat
 from .metrics import Metrics
 from .sampler import SamplingParams
@@ -130,7 +133,8 @@ class AsyncEngine:
         """
         self._next_id += 1
         request = Request(f"req-{self._next_id}", prompt_ids, params, loop=asyncio.get_running_loop(),
-                          trace=trace or RequestTrace(), n=n)
+                          trace=trace or RequestTrace(), n=n,
+                          detokenizers=[IncrementalDetokenizer(self.tokenizer, params.stop) for _ in range(n)])
         with self._lock:
             stopped = self._stopped
             if not stopped:
@@ -185,6 +189,10 @@ class AsyncEngine:
                          for request in waiting])
 
     def _take(self, news: StepNews) -> None:
+        """One turn's news: counters and the stats snapshot, the traced requests' spans, then each output
+        detokenized (``detokenize``) and handed to its request's event loop, all in one call."""
+        if news.clock is not None:
+            news.clock.lap("handoff")  # pickled in the core, through the pipe, read here
         self.metrics.prompt_tokens.inc(news.prompt_tokens)
         self.metrics.count(self._counted, news.stats)  # the counters move before the new snapshot is published:
         self._stats = self._counted = news.stats  # whoever sees an idle engine sees its counters complete
@@ -195,18 +203,39 @@ class AsyncEngine:
         now = time.perf_counter()
         ready = []
         for output in news.outputs:
+            if (request := self._requests.get(output.request_id)) is None:
+                continue  # its client has left
+            if output.error is None and request.detokenizers[output.index].stopped:
+                continue  # a stop string ended this sample: what the core computed since is dropped
+            output = self._detokenize(request, output)
             with self._lock:
-                request = self._requests.get(output.request_id)
-                if request is None:
-                    continue  # its client has left
                 request.num_finished += output.finished
                 if request.num_finished == request.n or output.error is not None:
-                    del self._requests[output.request_id]
+                    self._requests.pop(output.request_id, None)
             if output.error is None:
                 self._record(request, output, now)
             ready.append((request, output))
+        if news.clock is not None and ready:
+            news.clock.lap("detokenize")
         deliver(ready)
         self._observe(news)
+
+    def _detokenize(self, request: Request, output: RequestOutput) -> RequestOutput:
+        """``output`` with its text; cut at a stop string, which ends the sample here and is sent to the core as
+        an abort of that sample. A failure to detokenize fails the request alone (and the core drops it)."""
+        if output.error is not None:
+            return output
+        started = time.perf_counter()
+        try:
+            text_output = detokenize(request.detokenizers[output.index], output)
+        except Exception as exc:
+            self._send(AbortRequest(request.request_id))
+            return RequestOutput.failed(request.request_id, exc, output.prompt_tokens, output.completion_tokens,
+                                        output.index)
+        request.trace.add("detokenize", started)
+        if text_output.finished and not output.finished:
+            self._send(AbortRequest(request.request_id, output.index))
+        return text_output
 
     def _observe(self, news: StepNews) -> None:
         """A turn's phases into /metrics (and --trace): the step it launched and the step before it that it processed
@@ -238,6 +267,25 @@ class AsyncEngine:
             self._core.join(timeout=1.0)  # its pipe has closed: it is exiting, if not gone
             return self._core.exitcode
         return None
+
+
+def detokenize(detokenizer: IncrementalDetokenizer, output: RequestOutput) -> RequestOutput:
+    """The text of a core output's tokens, safe to send: whole characters, a possible stop string held back. A
+    stop string found in the text ends the sample there: the tokens after the one that completed it are neither
+    sent nor counted, and the output finishes with ``"stop"`` (the core, which knows no text, has not finished it).
+    At the sample's end (EOS, max_tokens) the rest of the text is flushed."""
+    text, kept = "", 0
+    for token_id in output.token_ids:
+        kept += 1
+        text += detokenizer.add(token_id)  # EOS and other special tokens add no text
+        if detokenizer.stopped:
+            dropped = len(output.token_ids) - kept
+            return replace(output, token_ids=output.token_ids[:kept], text=text, finish_reason="stop",
+                           completion_tokens=output.completion_tokens - dropped,
+                           logprobs=None if output.logprobs is None else output.logprobs[:kept])
+    if output.finished:
+        text += detokenizer.flush()
+    return replace(output, text=text)
 
 
 def deliver(ready: list[tuple[Request, RequestOutput]]) -> None:

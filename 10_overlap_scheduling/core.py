@@ -55,7 +55,8 @@ class AddRequest:
 
 @dataclass
 class AbortRequest:
-    request_id: str  # its client left, or a stop in the API process ended it
+    request_id: str  # its client left
+    index: int | None = None  # only this sample: a stop string ended it (the API process found it in the text)
 
 
 @dataclass
@@ -110,7 +111,7 @@ class EngineCore:
     def __init__(self, engine: Engine, conn: Connection) -> None:
         self.engine = engine
         self.conn = conn
-        self.remaining: dict[str, int] = {}  # request id -> its samples not finished yet
+        self.remaining: dict[str, set[int]] = {}  # request id -> its samples not finished yet
         self.traces: dict[str, RequestTrace] = {}  # traced requests' spans, sent and emptied each turn
         self.rejected: list[RequestOutput] = []  # refused at admission, sent with the next news
         self.prompt_tokens = 0
@@ -146,18 +147,20 @@ class EngineCore:
 
     def _keep(self, output: RequestOutput) -> bool:
         """Count a sample's end; a failed sample ends its request (its other samples are dropped)."""
-        if (remaining := self.remaining.get(output.request_id)) is None:
-            return False  # another of its samples failed in this step: the request has ended
+        if output.index not in self.remaining.get(output.request_id, ()):
+            return False  # the request or this sample has ended: failed in this step, or dropped by the API process
         if output.error is not None:
             self.engine.abort(output.request_id)
-            remaining = 0
-        else:
-            remaining -= output.finished
-        if remaining == 0:
             del self.remaining[output.request_id]
-        else:
-            self.remaining[output.request_id] = remaining
+        elif output.finished:
+            self._sample_done(output.request_id, output.index)
         return True
+
+    def _sample_done(self, request_id: str, index: int) -> None:
+        remaining = self.remaining[request_id]
+        remaining.discard(index)
+        if not remaining:
+            del self.remaining[request_id]
 
     def _take_messages(self, block: bool) -> bool:
         """Apply every message that has come; False on Shutdown or when the API process is gone. Idle, wait for the
@@ -178,10 +181,12 @@ class EngineCore:
                 return False
             if isinstance(message, AddRequest):
                 self._add(message)
-            elif message.request_id in self.remaining:  # an abort of a request that has not finished yet
+            elif message.index is None and message.request_id in self.remaining:  # its client has left
                 del self.remaining[message.request_id]
-                self.traces.pop(message.request_id, None)
                 self.engine.abort(message.request_id)
+            elif message.index in self.remaining.get(message.request_id, ()):  # a stop string ended this sample
+                self._sample_done(message.request_id, message.index)
+                self.engine.abort(message.request_id, message.index)
             block = False  # after the first message, take only what is already there
 
     def _add(self, message: AddRequest) -> None:
@@ -192,7 +197,7 @@ class EngineCore:
         except InvalidRequest as exc:
             self.rejected.append(RequestOutput.failed(message.request_id, exc, len(message.prompt_ids)))
             return
-        self.remaining[message.request_id] = message.n
+        self.remaining[message.request_id] = set(range(message.n))
         self.prompt_tokens += len(message.prompt_ids)
         if trace is not None:
             self.traces[message.request_id] = trace

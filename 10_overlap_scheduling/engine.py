@@ -25,12 +25,12 @@ or does not finish within ``--dist-timeout``, stops the engine (the ranks can no
 every rank.
 
 The steps overlap. A step's work on the host (scheduling, laying out the batch, reading the sampled tokens,
-detokenizing, finishing sequences) is time the device does nothing, unless the device has the next step to run
+finishing sequences) is time the device does nothing, unless the device has the next step to run
 meanwhile. So each turn of the loop schedules and launches step N + 1 first, then processes step N, whose tokens
 are ready or nearly: the device computes N + 1 while Python processes N. Step N + 1 cannot know step N's tokens on
 the host yet; its decoding sequences' input ids are placeholders, which the device fills in from step N's sampled
-tokens. A sequence that ends in step N (EOS, a stop string) has had a token computed in step N + 1 all the same,
-which is dropped unread; one that reaches ``max_tokens`` is never scheduled past it. A step that needs a token on
+tokens. A sequence that ends in step N (EOS) has had a token computed in step N + 1 all the same, which is
+dropped unread; one that reaches ``max_tokens`` is never scheduled past it. A step that needs a token on
 the host (guesses to propose, penalties to count, ranks to send it to) waits for the step before it, and says why.
 
 ``Engine`` is the core (``add_request``, ``step``, ``abort``); a server runs its loop in a process of its own
@@ -52,7 +52,6 @@ from common.weights import load_tokenizer, resolve_model
 
 from .block_manager import BlockManager
 from .config import CPU_TOKEN_BUDGET, CUDA_TOKEN_BUDGET, EngineConfig
-from .detokenizer import IncrementalDetokenizer
 from .distributed import STEP_POLL_S, RanksOutOfStep, TPGroup, device_of, start_ranks, under_torchrun, wait_until
 from .kv_cache import KVCache
 from .model import LlamaForCausalLM, ModelConfig
@@ -298,22 +297,22 @@ class Engine:
         k = self.config.num_speculative_tokens if self.proposer is not None else 0
         samples = [Sequence(request_id, list(prompt_ids), params, make_generator(sample_seed(params.seed, i),
                                                                                  self.device),
-                            IncrementalDetokenizer(self.tokenizer, params.stop), trace=trace or RequestTrace(), index=i,
-                            speculation=Speculation(k))
+                            trace=trace or RequestTrace(), index=i, speculation=Speculation(k))
                    for i in range(n)]
         samples[0].forks = samples[1:]
         self.scheduler.add(samples[0])
 
-    def abort(self, request_id: str) -> None:
-        """Drop a request wherever it is (its client left); its blocks return to the pool now."""
-        self.scheduler.abort(request_id)
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        """Drop a request wherever it is (its client left), or only its sample ``index`` (a stop string ended it);
+        its blocks return to the pool now."""
+        self.scheduler.abort(request_id, index)
 
     # --- one step -------------------------------------------------------------------------
     def step(self, clock: StepClock | None = None) -> StepResult:
         """One turn of the engine's loop; returns the output of every sequence that has news.
 
         Overlapping (the default): schedule step N + 1 and launch it, then process step N, launched by the turn
-        before: read its tokens, detokenize, finish who ended. On a GPU the launch returns at once, so the host's
+        before: read its tokens, finish who ended. On a GPU the launch returns at once, so the host's
         work for step N runs while the GPU computes step N + 1, and the GPU never waits for Python. Step N + 1's
         input ids are placeholders for step N's tokens, resolved on the device (``resolve_placeholders``); a
         sequence that ends in step N had a token computed in N + 1 all the same, dropped unread.
@@ -521,7 +520,8 @@ class Engine:
     def generate_offline(self, prompts: list[list[int]],
                          params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Offline use (the demo, the tests): run every prompt to the end, all batched; their output ids. (The
-        server streams through ``AsyncEngine.generate`` instead.)"""
+        server streams through ``AsyncEngine.generate`` instead, which also detokenizes and applies stop strings: the
+        engine itself ends a sequence only at EOS or ``max_tokens``.)"""
         params = params if isinstance(params, list) else [params] * len(prompts)
         outputs: dict[str, list[int]] = {}
         for i, (prompt_ids, p) in enumerate(zip(prompts, params, strict=True)):

@@ -32,8 +32,8 @@ Admission first looks the sequence up in the prefix cache: the blocks of its lon
 are shared, and its first chunk starts after them.
 
 After the step, ``update`` counts each sequence's computed tokens (not its rejected guesses), hands the
-run verification kept to the output processor (``output_processor.py``: its text, and where it ends the
-sequence), appends what it kept, and finishes the sequences that ended: the scheduler is the only one that
+run verification kept to the output processor (``output_processor.py``: where it ends the sequence; the text
+is the API process's), appends what it kept, and finishes the sequences that ended: the scheduler is the only one that
 changes a sequence, so the engine's step reads as a pipeline (schedule, propose, prepare, execute, verify,
 update).
 
@@ -93,7 +93,7 @@ class Scheduler:
         assert max_num_batched_tokens >= max_num_seqs, "every running sequence decodes in every step: the budget " \
             f"({max_num_batched_tokens} tokens) must cover max_num_seqs ({max_num_seqs})"
         self.block_manager = block_manager
-        self.output_processor = OutputProcessor(eos_token_ids)  # each step's text, and who it ends
+        self.output_processor = OutputProcessor(eos_token_ids)  # whom each step's tokens end
         self.max_num_seqs = max_num_seqs  # the most sequences running at once
         self.max_num_batched_tokens = max_num_batched_tokens  # the step's token budget: decodes and prompt chunks
         self.waiting: deque[Sequence] = deque()
@@ -286,11 +286,10 @@ class Scheduler:
         what was chosen for ``batch.seqs[i]``: the run verification kept (its accepted guesses and one token of
         the model's own), nothing for a chunk that ends part-way through its prompt. Count the computed tokens
         (rejected guesses are not), index the blocks they filled, start the other samples of a request whose
-        prompt is now cached, have the output processor read each run (its text, where the sequence ends), append
-        what it kept, finish the sequences that ended (freeing their blocks), and return the output of every
-        sequence that has news. A failure in one sequence's own work (its text, its stop strings) fails that
-        sequence alone. ``clock`` times the bookkeeping (``update``) apart from ``_append``, which is mostly the
-        output processor's (``detokenize``)."""
+        prompt is now cached, have the output processor read each run (where the sequence ends), append what it
+        kept, finish the sequences that ended (freeing their blocks), and return the output of every sequence that
+        has news. A failure in one sequence's own work fails that sequence alone. ``clock`` times it all as
+        ``update`` (detokenizing is the API process's, off this loop)."""
         clock = clock or StepClock()
         outputs = []
         for seq, news in zip(batch.seqs, sampled, strict=True):
@@ -301,13 +300,10 @@ class Scheduler:
             self._advance(seq, news.token_ids[:-1])
             if not news.token_ids:
                 continue  # a mid-prompt chunk: nothing to say yet
-            clock.lap("update")
             try:
-                with seq.trace.span("detokenize"):
-                    outputs.append(self._append(seq, news))
+                outputs.append(self._append(seq, news))
             except Exception as exc:
                 outputs.append(self.fail(seq, exc))
-            clock.lap("detokenize")
         clock.lap("update")
         return outputs
 
@@ -378,7 +374,7 @@ class Scheduler:
                         clock: StepClock | None = None) -> list[RequestOutput]:
         """A launched step's tokens have been read: ``token_ids[i]`` is ``sampling[i]``'s (``launched``'s order). Each
         sequence still here takes it in place of its oldest pending token: the blocks it completes are indexed, and
-        the output processor reads it (its text, whether the sequence ends) as in ``update``. A sequence that
+        the output processor reads it (whether the sequence ends) as in ``update``. A sequence that
         finished meanwhile (it ended in the step before this one, or its client left) gets nothing: the token was
         computed for a sequence that no longer exists, and is dropped with it."""
         clock = clock or StepClock()
@@ -390,13 +386,10 @@ class Scheduler:
             seq.pending_rows.pop(0)
             self._index_known(seq, min(seq.num_computed_tokens, seq.num_tokens - len(seq.pending_rows)), [token_id])
             ### END SOLUTION
-            clock.lap("update")
             try:
-                with seq.trace.span("detokenize"):
-                    outputs.append(self._append(seq, Sampled([token_id], [token_logprobs])))
+                outputs.append(self._append(seq, Sampled([token_id], [token_logprobs])))
             except Exception as exc:
                 outputs.append(self.fail(seq, exc))
-            clock.lap("detokenize")
         clock.lap("update")
         return outputs
 
@@ -412,7 +405,7 @@ class Scheduler:
 
     def _append(self, seq: Sequence, news: Sampled) -> RequestOutput:
         """Add a step's run of tokens to its sequence, as far as the output processor kept it (a run is cut where
-        its sequence ends: EOS, a stop string, max_tokens), and finish the sequence (freeing its blocks) if its
+        its sequence ends: EOS, max_tokens), and finish the sequence (freeing its blocks) if its
         output says it ended."""
         # The first token comes with the prompt's logprobs, if the request asked (echo), scored over its chunks.
         prompt_logprobs = seq.prompt_logprobs if seq.params.prompt_logprobs is not None and not seq.output_ids else None
@@ -428,10 +421,11 @@ class Scheduler:
         self._finish(seq)
         return RequestOutput.failed(seq.request_id, error, len(seq.prompt_ids), len(seq.output_ids), seq.index)
 
-    def abort(self, request_id: str) -> None:
-        """Drop a request wherever it is (its client left); its blocks return to the pool now."""
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        """Drop a request wherever it is (its client left), or only its sample ``index``; blocks return now."""
         for seq in list(self.sequences.get(request_id, [])):
-            self._finish(seq)
+            if index is None or seq.index == index:
+                self._finish(seq)
 
     def _finish(self, seq: Sequence) -> None:
         """A sequence is done (finished, failed, or its client left): it leaves its queue and frees its blocks."""

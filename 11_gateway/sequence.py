@@ -74,7 +74,7 @@ class SequenceStatus(Enum):
 
 @dataclass
 class Sequence:
-    """One request inside the engine: its tokens, its blocks, and how to sample and detokenize it. The
+    """One request inside the engine: its tokens, its blocks, and how to sample it. The
     scheduler alone changes it (admits, appends, finishes, frees); the other components only read it, but
     for the proposers: the draft proposer counts the draft model's progress in its own cache, the n-gram
     proposer keeps the index of its n-grams."""
@@ -83,7 +83,6 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     generator: torch.Generator  # this request's own random stream (seeded or not)
-    detokenizer: IncrementalDetokenizer
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache (back to 0 when preempted)
@@ -169,3 +168,4 @@ class Request:
     trace: RequestTrace = field(default_factory=RequestTrace)
     n: int = 1  # samples of the prompt: the request ends when all n have finished
     num_finished: int = 0  # samples that have
+    detokenizers: list[IncrementalDetokenizer] = field(default_factory=list)  # one per sample: its text, its stops

@@ -1,10 +1,12 @@
 """Driving a scheduler the way its engine does, without a model: ``schedule``, then ``update`` with a token for
-every sequence whose step reaches its last one. The sequences need a detokenizer; these tests count tokens,
-not words."""
+every sequence whose step reaches its last one. Up to stage 09 the sequences need a detokenizer; these tests count
+tokens, not words."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from .stages import has
 
 
 class SilentDetokenizer:
@@ -17,6 +19,12 @@ class SilentDetokenizer:
 
     def flush(self) -> str:
         return ""
+
+
+def no_text(folder: str) -> dict[str, Any]:
+    """A ``Sequence``'s detokenizer argument in ``folder``: a silent one, or none from stage 10 on, where the text is
+    the API process's and a sequence has no detokenizer."""
+    return {} if has(folder, "overlap") else {"detokenizer": SilentDetokenizer()}
 
 
 def reaches_its_last_token(seq: Any) -> bool:

@@ -24,6 +24,8 @@ from .prompts import CHAT_PROMPTS, TEXT_PROMPTS
 from .servers import start_fastapi
 
 FOLDER = "10_overlap_scheduling"
+async_engine_module = stage(FOLDER, "async_engine")
+core_module = stage(FOLDER, "core")
 model_runner = stage(FOLDER, "model_runner")
 sampler = stage(FOLDER, "sampler")
 sequence_module = stage(FOLDER, "sequence")
@@ -71,7 +73,7 @@ def test_a_step_without_placeholders_is_unchanged_and_nothing_is_read_from_a_one
 
 @pytest.mark.exercise("10.2")
 def test_a_sequences_placeholder_is_the_token_its_row_will_hold():
-    seq = sequence_module.Sequence("r", [1, 2, 3], GREEDY, torch.Generator(), detokenizer=None, output_ids=[4])
+    seq = sequence_module.Sequence("r", [1, 2, 3], GREEDY, torch.Generator(), output_ids=[4])
     seq.pending_rows = [6]
     assert seq.num_tokens == 5 and seq.num_output_tokens == 2
     assert seq.tokens(3, 5) == [4, sequence_module.placeholder(6)]
@@ -129,22 +131,52 @@ def test_preemptions_and_chunks_under_overlap_keep_the_tokens(model_dir, engines
 @pytest.mark.exercise("10.3")
 def test_a_sequence_that_ends_in_step_n_never_gets_the_token_step_n_plus_1_computed_for_it(engines):
     engine, synchronous = engines
-    prompt = prompts_of(engine)[0]
+    prompt = engine.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
     [full] = synchronous.generate_offline([prompt], GREEDY)
-    stop = engine.tokenizer.decode(full[5:7])  # a stop string that ends the answer a few tokens in
-    engine.add_request("stops", prompt, sampler.SamplingParams(max_tokens=24, temperature=0.0, stop=[stop]))
+    assert full[-1] in engine.eos_token_ids and len(full) < GREEDY.max_tokens  # the answer ends with EOS
+    engine.add_request("ends", prompt, GREEDY)
     outputs, dropped = [], 0
     while engine.has_unfinished():
         in_flight = engine.in_flight
         result = engine.step()
-        if in_flight is not None and any(seq.request_id == "stops" for seq in in_flight.sampling):
-            dropped += not [output for output in result.outputs if output.request_id == "stops"]
-        outputs += [output for output in result.outputs if output.request_id == "stops"]
+        if in_flight is not None and any(seq.request_id == "ends" for seq in in_flight.sampling):
+            dropped += not [output for output in result.outputs if output.request_id == "ends"]
+        outputs += [output for output in result.outputs if output.request_id == "ends"]
     assert outputs[-1].finish_reason == "stop" and [output.finished for output in outputs].count(True) == 1
-    tokens = [token for output in outputs for token in output.token_ids]
-    assert tokens == full[: len(tokens)] and len(tokens) <= 7
-    assert stop not in "".join(output.text for output in outputs)
+    assert [token for output in outputs for token in output.token_ids] == full
     assert dropped == 1  # the step after the end computed a token for it, read and dropped
+
+
+def test_a_stop_string_ends_a_sample_in_the_api_process_which_tells_the_core_to_drop_it(engines, monkeypatch):
+    """The core knows no text: the API process finds the stop string, cuts the sample there (its text and its
+    tokens), and sends the core an abort of that sample alone, which frees its blocks."""
+    engine, synchronous = engines
+    prompt = prompts_of(engine)[0]
+    [full] = synchronous.generate_offline([prompt], GREEDY)
+    stop = engine.tokenizer.decode(full[5:7])  # a stop string that ends the answer a few tokens in
+    client = async_engine_module.AsyncEngine(engine)
+    sent = []
+    send = client._send
+    monkeypatch.setattr(client, "_send", lambda message: (sent.append(message), send(message)))
+    client.start()
+    params = sampler.SamplingParams(max_tokens=24, temperature=0.0, stop=[stop])
+    outputs = asyncio.run(collect(client, prompt, params, n=2))  # two samples, each ended by the stop string
+    try:
+        for index in (0, 1):
+            sample = [output for output in outputs if output.index == index]
+            tokens = [token for output in sample for token in output.token_ids]
+            text = "".join(output.text for output in sample)
+            assert sample[-1].finish_reason == "stop" and sample[-1].completion_tokens == len(tokens)
+            assert tokens == full[:len(tokens)] and len(tokens) <= 7
+            assert stop not in text and (text + stop) in engine.tokenizer.decode(full)
+        aborts = [message for message in sent if isinstance(message, core_module.AbortRequest)]
+        assert sorted(message.index for message in aborts) == [0, 1]  # each sample dropped alone
+        deadline = time.monotonic() + 10
+        while client.stats().kv_blocks.used or client.stats().running:
+            assert time.monotonic() < deadline, client.stats()
+            time.sleep(0.02)
+    finally:
+        client.stop()
 
 
 @pytest.mark.exercise("10.3")
@@ -246,8 +278,6 @@ def test_metrics_and_health_count_overlapped_steps_and_each_reason_to_wait(engin
 
 
 # --- the engine core in its own process ------------------------------------------------------------------------
-async_engine_module = stage(FOLDER, "async_engine")
-core_module = stage(FOLDER, "core")
 
 
 def core_config(model_dir, **overrides):
@@ -256,8 +286,8 @@ def core_config(model_dir, **overrides):
     return stage(FOLDER, "config").EngineConfig(**fields)
 
 
-async def collect(engine, prompt_ids: list[int], params) -> list:
-    return [output async for output in engine.generate(prompt_ids, params)]
+async def collect(engine, prompt_ids: list[int], params, n: int = 1) -> list:
+    return [output async for output in engine.generate(prompt_ids, params, n=n)]
 
 
 def test_a_core_process_answers_hugging_faces_tokens_one_message_a_turn_and_stops_cleanly(model_dir, hf_greedy,

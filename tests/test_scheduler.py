@@ -9,7 +9,7 @@ import torch
 
 from . import scheduling
 from .conftest import stage
-from .scheduling import SilentDetokenizer
+from .scheduling import no_text
 from .stages import graded_first, has, stages_with
 
 STAGES = [folder for folder in stages_with("scheduler") if not has(folder, "chunking")]  # a step: prefill or decode
@@ -29,6 +29,7 @@ class Stage:
     """The modules of one stage that these tests use."""
 
     def __init__(self, folder: str) -> None:
+        self.folder = folder
         self.scheduler = stage(folder, "scheduler")
         self.sequence = stage(folder, "sequence")
         self.block_manager = stage(folder, "block_manager")
@@ -44,8 +45,7 @@ def mods(folder) -> Stage:
 def seq(mods: Stage, name: str, prompt_len: int, outputs: int = 0):
     """A sequence the scheduler can handle; it never samples or detokenizes, so those are left out."""
     params = mods.sampler.SamplingParams(max_tokens=1000)
-    s = mods.sequence.Sequence(name, list(range(prompt_len)), params, generator=None,
-                               detokenizer=SilentDetokenizer())
+    s = mods.sequence.Sequence(name, list(range(prompt_len)), params, generator=None, **no_text(mods.folder))
     s.output_ids = list(range(outputs))
     return s
 
@@ -238,7 +238,7 @@ def test_the_output_processor_decides_the_end_and_leaves_the_sequence_to_the_sch
     mods = Stage(folder)
     processor = stage(folder, "output_processor").OutputProcessor(eos_token_ids={7})
     s = mods.sequence.Sequence("a", [1, 2, 3], mods.sampler.SamplingParams(max_tokens=4), generator=None,
-                               detokenizer=SilentDetokenizer())
+                               **no_text(folder))
     s.output_ids = [4, 5]
     going = processor.process(s, [6], [None], None)
     assert (going.token_ids, going.finish_reason, going.completion_tokens) == ([6], None, 3)

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from .conftest import stage
-from .scheduling import SilentDetokenizer, reaches_its_last_token
+from .scheduling import no_text, reaches_its_last_token
 from .stages import changed_stages_with, has
 
 BLOCK_SIZE = 16
@@ -50,7 +50,7 @@ class Driver:
         speculates = has(self.folder, "speculation")
         extra = {"speculation": stage(self.folder, "speculative").Speculation(K)} if speculates else {}
         seq = self.sequence.Sequence(f"r{self.arrivals}", list(range(1, prompt_len + 1)), params, generator=None,
-                                     detokenizer=SilentDetokenizer(), **extra)
+                                     **no_text(self.folder), **extra)
         self.scheduler.add(seq)
         self.arrivals += 1
 
