@@ -191,6 +191,7 @@ class AsyncEngine:
     def _take(self, news: StepNews) -> None:
         """One turn's news: counters and the stats snapshot, the traced requests' spans, then each output
         detokenized (``detokenize``) and handed to its request's event loop, all in one call."""
+        core_s = news.clock.last - news.clock.started if news.clock is not None else 0.0  # the turn in the core
         if news.clock is not None:
             news.clock.lap("handoff")  # pickled in the core, through the pipe, read here
         self.metrics.prompt_tokens.inc(news.prompt_tokens)
@@ -218,7 +219,7 @@ class AsyncEngine:
         if news.clock is not None and ready:
             news.clock.lap("detokenize")
         deliver(ready)
-        self._observe(news)
+        self._observe(news, core_s)
 
     def _detokenize(self, request: Request, output: RequestOutput) -> RequestOutput:
         """``output`` with its text; cut at a stop string, which ends the sample here and is sent to the core as
@@ -237,16 +238,18 @@ class AsyncEngine:
             self._send(AbortRequest(request.request_id, output.index))
         return text_output
 
-    def _observe(self, news: StepNews) -> None:
-        """A turn's phases into /metrics (and --trace): the step it launched and the step before it that it processed
-        (the last step's tokens are read in a turn that launches nothing), and ``handoff``, from the end of the turn
-        in the core to its outputs handed to the event loop here (pickled, through the pipe, read: one clock, the
-        machine's monotonic one, for both processes). An idle look at the scheduler is no step."""
+    def _observe(self, news: StepNews, core_s: float) -> None:
+        """A turn's phases into /metrics (and --trace): the core's (the step it launched and the step before it that
+        it processed; the last step's tokens are read in a turn that launches nothing), then this process's:
+        ``handoff``, from the end of the turn in the core to its outputs handed to the event loop here (pickled,
+        through the pipe, read: one clock, the machine's monotonic one, for both processes), and ``detokenize``.
+        These two run while the core takes its next turn, so the core's busy time (``core_s``) leaves them out.
+        An idle look at the scheduler is no step."""
         clock = news.clock
         if clock is None or (not news.num_tokens and not news.outputs):
             return
         clock.lap("handoff")
-        self.metrics.engine_busy.inc(clock.last - clock.started)  # its rate: the busy fraction
+        self.metrics.engine_busy.inc(core_s)  # its rate: the core's busy fraction
         self.metrics.observe_step(clock.phases, news.num_decoding)
         self._num_steps += 1
         self._tracer.write_step(self._num_steps, clock, len(news.outputs), news.num_tokens, news.num_decoding)
