@@ -96,7 +96,11 @@ class AsyncEngine:
         self._reader.start()
 
     def stop(self) -> None:
-        """Ask the core to stop, wait for it (then kill it, if it does not), and for the last of its news."""
+        """Ask the core to stop, wait for it (then kill it, if it does not), and for the last of its news. Safe to
+        call twice (the server's shutdown, then the interpreter's exit)."""
+        if isinstance(self._core, threading.Thread) and self._core.ident is None:  # a thread never started
+            self._conn.close()
+            return
         self._send(Shutdown())
         self._core.join(timeout=STOP_S)
         if isinstance(self._core, BaseProcess) and self._core.is_alive():

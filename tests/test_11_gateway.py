@@ -996,9 +996,27 @@ def is_ray(process: psutil.Process) -> bool:
         return False
 
 
+def descendants(process: psutil.Process) -> list[psutil.Process]:
+    try:
+        return process.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def is_engine_core(process: psutil.Process) -> bool:
+    """A replica's engine core: a process multiprocessing spawned (``core_main``)."""
+    try:
+        return "spawn_main" in " ".join(process.cmdline())
+    except (psutil.ZombieProcess, psutil.NoSuchProcess):
+        return False
+
+
 def test_nothing_is_left_running_after_shutdown(gateway):
-    ours = [p for p in psutil.Process().children(recursive=True) if is_ray(p)]
-    assert ours, "Ray's processes are children of this one"
+    """Ray's processes, and each replica's engine core (a child of its Ray worker), all exit."""
+    ray = [p for p in psutil.Process().children(recursive=True) if is_ray(p)]
+    assert ray, "Ray's processes are children of this one"
+    ours = set(ray) | {child for p in ray for child in descendants(p)}
+    assert sum(is_engine_core(p) for p in ours) >= 3  # one per replica: two of the small model, one of the large
     fleet.stop()
     gateway.stopped = True
     _, alive = psutil.wait_procs(ours, timeout=60)
