@@ -33,7 +33,7 @@ class RequestOutput:
 
     request_id: str
     token_ids: list[int]  # the tokens this step added: 1 to k + 1 (none for a prompt scored with max_tokens 0)
-    text: str  # may be "" while a character or a possible stop string is incomplete
+    text: str  # "" from the core; the API process's detokenizer fills it (still "" while a character is incomplete)
     finish_reason: FinishReason | None  # None while running
     prompt_tokens: int
     completion_tokens: int  # tokens generated so far, this one included
