@@ -234,13 +234,21 @@ class AsyncEngine:
         try:
             text_output = detokenize(request.detokenizers[output.index], output)
         except Exception as exc:
-            self._send(AbortRequest(request.request_id))
+            self._abort_soon(request, AbortRequest(request.request_id))
             return RequestOutput.failed(request.request_id, exc, output.prompt_tokens, output.completion_tokens,
                                         output.index)
         request.trace.add("detokenize", started)
         if text_output.finished and not output.finished:
-            self._send(AbortRequest(request.request_id, output.index))
+            self._abort_soon(request, AbortRequest(request.request_id, output.index))
         return text_output
+
+    def _abort_soon(self, request: Request, abort: AbortRequest) -> None:
+        """Have the event loop send ``abort``, ahead of the outputs this turn hands it. Not this thread: it must
+        never wait on the pipe to the core, which may itself be waiting for this thread to read its news."""
+        try:
+            request.loop.call_soon_threadsafe(self._send, abort)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
 
     def _observe(self, news: StepNews, core_s: float) -> None:
         """A turn's phases into /metrics (and --trace): the core's (the step it launched and the step before it that
