@@ -309,14 +309,18 @@ def hf_next_logprobs(request: pytest.FixtureRequest):
 STEP_COSTS = REPO / "results" / "cpu" / "07_cuda_graphs_decode_steps.json"
 
 
-def make_engine(folder: str, model_dir: Path, device: str = "cpu", dtype: str = "float32", **config):
-    """A stage's Engine on ``model_dir``, float32 unless asked, with its EngineConfig's other fields as given (on a
-    CPU, the speculation policy's step costs from STEP_COSTS unless given)."""
+def engine_config(folder: str, model_dir: Path, device: str = "cpu", dtype: str = "float32", **config):
+    """A stage's EngineConfig on ``model_dir``, float32 unless asked, its other fields as given (on a CPU, the
+    speculation policy's step costs from STEP_COSTS unless given)."""
     config_class = stage(folder, "config").EngineConfig
     if device == "cpu" and "step_costs" in {field.name for field in dataclasses.fields(config_class)}:
         config.setdefault("step_costs", str(STEP_COSTS))
-    engine_config = config_class(model=str(model_dir), device=device, dtype=dtype, **config)
-    return stage(folder, "engine").Engine(engine_config)
+    return config_class(model=str(model_dir), device=device, dtype=dtype, **config)
+
+
+def make_engine(folder: str, model_dir: Path, device: str = "cpu", dtype: str = "float32", **config):
+    """A stage's Engine on ``engine_config``'s config."""
+    return stage(folder, "engine").Engine(engine_config(folder, model_dir, device, dtype, **config))
 
 
 @pytest.fixture(scope="session")

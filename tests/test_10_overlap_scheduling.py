@@ -19,7 +19,7 @@ import httpx
 import pytest
 import torch
 
-from .conftest import make_engine, serve_stage, stage
+from .conftest import engine_config, make_engine, serve_stage, stage
 from .prompts import CHAT_PROMPTS, TEXT_PROMPTS
 from .servers import start_fastapi
 
@@ -281,9 +281,9 @@ def test_metrics_and_health_count_overlapped_steps_and_each_reason_to_wait(engin
 
 
 def core_config(model_dir, **overrides):
-    fields = {"model": str(model_dir), "device": "cpu", "dtype": "float32", "speculative": "off",
-              "kv_cache_mb": 64, "max_num_batched_tokens": 64} | overrides
-    return stage(FOLDER, "config").EngineConfig(**fields)
+    """The config a server's core process builds its engine from: the ``engines`` fixture's."""
+    return engine_config(FOLDER, model_dir, **({"speculative": "off", "kv_cache_mb": 64, "max_num_batched_tokens": 64}
+                                                | overrides))
 
 
 async def collect(engine, prompt_ids: list[int], params, n: int = 1) -> list:
