@@ -35,8 +35,9 @@ help:
 	@echo "make test [STAGE=NN]  run the whole test suite, or with STAGE only the tests of that stage"
 	@echo "make test-fast [STAGE=NN]        the graded and unit tests only (no model, server or process): the"
 	@echo "                      loop after each exercise"
-	@echo "make gpu-check CUDA=1 [PART=smoke|correctness|kernels|speed]  on a GPU machine, each part under"
-	@echo "                      9 minutes (all four without PART): demos, GPU tests, benchmarks -> results/cuda/<gpu>/"
+	@echo "make gpu-check CUDA=1 [PART=smoke|correctness|gateway|kernels|speed|peer|spec]  on a GPU machine, each"
+	@echo "                      part under 9 minutes (all without PART): demos, GPU tests, benchmarks -> results/cuda/<gpu>/;"
+	@echo "                      python -m common.gpu_window PART --dry-run: a lent GPU's one command, planned"
 	@echo "make lint             ruff"
 
 # On a GPU machine, `make install CUDA=1` works offline and changes none of the machine's packages: it uses the
@@ -139,12 +140,15 @@ test-fast: install
 	$(PYTEST) -m "exercise or not e2e" $(STAGE_TESTS)
 
 # On a GPU machine, in parts of 9 minutes at most each (a GPU is often lent for short commands): PART=smoke, every
-# stage's demo on CUDA and stage 09 under torchrun with one rank; correctness, `pytest -m cuda` file by file (the
-# gateway's where Ray imports); kernels (5 minutes), the attention kernels' grid once per version of the Triton file;
-# speed, the decode step profiled (07 and the latest stage), the served sweep at concurrency 1 and 64 (06, 07, the
-# latest) and nano-vllm's throughput workload (the latest stage, transformers). Without PART, all four in order.
-# Every command has a timeout. Results go to results/cuda/<the GPU's name>/, and under $OUT too when it is set (a
-# lent machine's folder sent back). No model wheel needed: see common/gpu_check.py and results/cuda/README.md.
+# stage's demo on CUDA and stage 09 under torchrun with one rank; correctness, `pytest -m cuda` file by file, each
+# test with a timeout that prints its stacks; gateway, the gateway's GPU tests where Ray imports; kernels (5
+# minutes), the attention kernels' grid once per version of the Triton file; speed, the decode step profiled (07 and
+# the latest engine stage) and the served sweeps at concurrency 1 and 64, 64 tokens a request (06, 07, the latest
+# three ways); peer, nano-vllm's throughput workload (the latest stage, transformers in its best configuration);
+# spec, stage 08 against 07 on answers that copy their prompt. Without PART, all in order. Every command has a
+# timeout. Results go to results/cuda/<the GPU's name>/, and under $OUT too when it is set (a lent machine's folder
+# sent back); `python3 -m common.gpu_window PART` is the one-command window around a part. No model wheel needed:
+# see common/gpu_check.py and results/cuda/README.md.
 .PHONY: gpu-check
 gpu-check: install
 	$(PY) -m common.gpu_check $(if $(PART),--part $(PART))

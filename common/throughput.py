@@ -15,7 +15,15 @@ time of one call that runs them all, after a warm-up request (start-up, graph ca
 * ``--peer transformers``: the same prompts and lengths through transformers' continuous batching on the same
   weights and dtype, the manager ``generate_batch`` runs (``continuous_batching_context_manager``: warm-up and
   graph capture there, not timed) with one ``add_request`` per sequence, each with its own ``max_new_tokens``
-  (``generate_batch`` takes one for all), EOS disabled (``eos_token_id=-1``).
+  (``generate_batch`` takes one for all), EOS disabled (``eos_token_id=-1``). Its best configuration here:
+  ``--attn-implementation auto`` (the default) takes the fastest attention that imports on this machine,
+  flash-attention 3 (``flash_attn_interface``), then 2 (``flash_attn``), else paged SDPA, whose step builds a mask
+  over the whole packed batch (a result without flash-attention is labelled "against paged SDPA"). The
+  continuous-batching fields are options (``--cb-num-blocks``, ``--cb-block-size``, ``--cb-max-batch-tokens``,
+  ``--cb-max-requests-per-batch``, ``--cb-cuda-graphs``, ``--cb-async-batching``), each given to transformers'
+  ``ContinuousBatchingConfig`` under its name in the installed version, and only where that version has the
+  field; the record holds what was asked, what the manager resolved it to, and the attention used.
+  ``--time-limit S`` stops it after S seconds of measuring, counting the tokens of the finished sequences.
 
 It writes ``throughput_<NN_name>.json`` (or ``throughput_transformers.json``) into ``--out`` (default:
 ``results/cuda/<gpu>/`` on a GPU, ``results/<device>/`` elsewhere) with the workload, the engine's settings, the
@@ -54,6 +62,22 @@ PEERS = ("transformers",)
 # The peer's environment: the model is a local folder, and nothing is fetched from the Hub (transformers 5 looks for
 # a flash-attention kernel there when the flash_attn package is missing; offline it falls back to SDPA at once).
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+# transformers' attention implementations for continuous batching, fastest first, with the module each needs:
+# flash-attention's kernels read the paged cache through a block table (its decode fast path, graphs, async
+# batching). Without them, "sdpa" is paged SDPA: a mask over the whole packed batch every step, no graphs.
+FLASH_ATTENTION = (("flash_attention_3", "flash_attn_interface"), ("flash_attention_2", "flash_attn"))
+PAGED_SDPA = "sdpa"
+ATTENTION_CHOICES = ("auto", *(name for name, _ in FLASH_ATTENTION), PAGED_SDPA)
+SDPA_LABEL = "against paged SDPA (no flash-attention here)"
+# Our option -> the ContinuousBatchingConfig field it sets, by the names versions of transformers gave it (5.23:
+# page_size; earlier: block_size). An option whose field this version lacks is recorded, not passed.
+CB_FIELDS = {"num_blocks": ("num_blocks",), "block_size": ("page_size", "block_size"),
+             "max_batch_tokens": ("max_batch_tokens",), "max_requests_per_batch": ("max_requests_per_batch",),
+             "cuda_graphs": ("use_cuda_graph",), "async_batching": ("use_async_batching",),
+             # the attention chosen here, not a Hub kernel it would look for (offline: none)
+             "auto_switch_to_flash": ("auto_switch_to_flash",)}
+PAGE = 256  # transformers' default block size (tokens): the cache is sized for the workload in these
+SDPA_BATCH_TOKENS = 2048  # paged SDPA's mask costs (query tokens) x (the batch's KV tokens): fewer per step
 
 
 @dataclass(frozen=True)
@@ -168,23 +192,92 @@ def run_stage(folder: str, model: str, device: str, dtype: str, work: Workload, 
 # --- transformers' continuous batching ---------------------------------------------------------------
 
 
-def run_transformers(model: str, device: str, dtype: str, work: Workload, progress: Progress) -> list[list[int]]:
+def importable(module: str) -> bool:
+    """The module imports here (a flash-attention wheel built for another torch fails on import, not on lookup)."""
+    try:
+        importlib.import_module(module)
+    except Exception:  # ImportError, or an OSError/RuntimeError from a compiled extension
+        return False
+    return True
+
+
+def resolve_attention(asked: str, device: str, can_import: Callable[[str], bool] = importable) -> str:
+    """The attention implementation to load the peer with: ``asked`` unless it is "auto"; then the fastest
+    flash-attention that imports (only on CUDA: its kernels are CUDA's), else paged SDPA."""
+    if asked != "auto":
+        return asked
+    if device == "cuda":
+        for name, module in FLASH_ATTENTION:
+            if can_import(module):
+                return name
+    return PAGED_SDPA
+
+
+def cb_options(attention: str, device: str, work: Workload, given: dict[str, Any]) -> dict[str, Any]:
+    """The continuous-batching options (CB_FIELDS' keys) for ``attention``: the cache sized for the whole workload
+    (every sequence at once, in PAGE-token blocks) and every sequence in one batch; on CUDA, paged SDPA with fewer
+    query tokens a step and neither graphs nor async batching (its mask would be padded to the graphs' sizes),
+    flash-attention with the stage's token budget and transformers' own choice of graphs and async batching (on,
+    without a mask). On a CPU, the CPU stages' budget: left to itself the manager's warm-up takes minutes there.
+    ``given`` overrides any of them (None: not given; "auto": left to transformers)."""
+    block = given.get("block_size") or PAGE
+    options: dict[str, Any] = {
+        "num_blocks": sum(-(-(len(p) + n) // block) for p, n in zip(work.prompts, work.max_tokens, strict=True)),
+        "block_size": block, "max_requests_per_batch": len(work.prompts), "auto_switch_to_flash": False,
+        "max_batch_tokens": CPU_TOKEN_BUDGET if device != "cuda" else
+        SDPA_BATCH_TOKENS if attention == PAGED_SDPA else CUDA_TOKEN_BUDGET,
+        "cuda_graphs": False if device == "cuda" and attention == PAGED_SDPA else None,
+        "async_batching": False if device == "cuda" and attention == PAGED_SDPA else None}
+    return options | {key: None if value == "auto" else value for key, value in given.items() if value is not None}
+
+
+def cb_fields(options: dict[str, Any], known: set[str]) -> tuple[dict[str, Any], list[str]]:
+    """``options`` as fields of this transformers' ContinuousBatchingConfig (``known``: its field names), None left
+    to transformers; and the options it has no field for (recorded, not passed)."""
+    fields, missing = {}, []
+    for option, value in options.items():
+        name = next((field for field in CB_FIELDS[option] if field in known), None)
+        if name is None:
+            missing.append(option)
+        elif value is not None:
+            fields[name] = value
+    return fields, missing
+
+
+def plain(value: Any) -> Any:
+    """A resolved config field as JSON can hold it (a compile config, a tuple of booleans: their repr)."""
+    return value if isinstance(value, (bool, int, float, str, type(None))) else repr(value)
+
+
+def resolved_config(manager: Any) -> dict[str, Any] | str:
+    """The configuration the manager resolved (memory, graphs, async batching...), read after its warm-up; the
+    attribute is transformers 5.2x's, so where it is not there the record says so instead of failing the run."""
+    config = getattr(manager, "continuous_batching_config", None)
+    if config is None or not dataclasses.is_dataclass(config):
+        return "not readable in this version of transformers"
+    return {f.name: plain(getattr(config, f.name)) for f in dataclasses.fields(config)}
+
+
+def run_transformers(model: str, device: str, dtype: str, work: Workload, progress: Progress,
+                     attention: str = "auto", given: dict[str, Any] | None = None,
+                     time_limit_s: float | None = None) -> dict[str, list[int]]:
     """The workload through transformers' continuous batching manager on the same weights: what
-    ``generate_batch`` does, but each request with its own ``max_new_tokens``. Returns each output's ids."""
+    ``generate_batch`` does, but each request with its own ``max_new_tokens``, with ``attention`` (resolved by
+    resolve_attention) and the continuous-batching options of cb_options. Returns each finished request's ids, by
+    request id: all of them, unless ``time_limit_s`` ran out first."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     start = time.perf_counter()
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype), local_files_only=True)
+    resolved = resolve_attention(attention, device)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype), local_files_only=True,
+                                              attn_implementation=resolved)
     hf = hf.to(device).eval()
     generation = GenerationConfig(do_sample=True, temperature=TEMPERATURE, max_new_tokens=max(work.max_tokens),
                                   eos_token_id=-1, pad_token_id=hf.config.pad_token_id or 0)
-    # The KV cache sized for the whole workload (every sequence at once), and the stage's token budget per step: left
-    # to itself the manager takes 60% of the free memory and 8,192 tokens, and its warm-up takes minutes on a CPU.
-    page = 256  # its default block size, tokens
-    cache = {"num_blocks": sum(-(-(len(p) + n) // page) for p, n in zip(work.prompts, work.max_tokens, strict=True)),
-             "max_batch_tokens": CUDA_TOKEN_BUDGET if device == "cuda" else CPU_TOKEN_BUDGET}
+    asked = cb_options(resolved, device, work, given or {})
+    cache, missing = cb_fields(asked, {f.name for f in dataclasses.fields(ContinuousBatchingConfig)})
     options: dict[str, Any] = {"generation_config": generation, "block": True, "timeout": 5,
                                "continuous_batching_config": ContinuousBatchingConfig(**cache)}
     try:  # sizes the manager's cache and batch for the workload, as generate_batch does (transformers 5)
@@ -196,27 +289,40 @@ def run_transformers(model: str, device: str, dtype: str, work: Workload, progre
     except ImportError:
         pass
     progress.settings = {"engine": "transformers continuous batching (continuous_batching_context_manager, "
-                                   "add_request per sequence)", "transformers": version("transformers"), **cache,
-                         "attn_implementation": hf.config._attn_implementation, "generation_config": {
-                             "do_sample": True, "temperature": TEMPERATURE, "eos_token_id": -1}}
+                                   "add_request per sequence)", "transformers": version("transformers"),
+                         "attention": {"asked": attention, "resolved": resolved, "flash_attention_imports": {
+                             name: importable(module) for name, module in FLASH_ATTENTION}},
+                         "label": SDPA_LABEL if resolved == PAGED_SDPA else f"against {resolved}",
+                         "cb_options": asked, "cb_config_asked": cache, "cb_options_without_a_field": missing,
+                         "time_limit_s": time_limit_s, "attn_implementation": hf.config._attn_implementation,
+                         "generation_config": {"do_sample": True, "temperature": TEMPERATURE, "eos_token_id": -1}}
     outputs: dict[str, list[int]] = {}
     with hf.continuous_batching_context_manager(**options) as manager:
         progress.settings["attn_implementation_used"] = hf.config._attn_implementation
         warm_prompt, warm_tokens = WARM_UP
         collect(manager, {manager.add_request(warm_prompt, request_id="warm-up", max_new_tokens=warm_tokens)}, {})
+        progress.settings["cb_config_resolved"] = resolved_config(manager)
         progress.startup_s = time.perf_counter() - start
         progress.started = time.perf_counter()
         ids = [manager.add_request(prompt, request_id=f"seq-{i}", max_new_tokens=n)
                for i, (prompt, n) in enumerate(zip(work.prompts, work.max_tokens, strict=True))]
-        collect(manager, set(ids), outputs, progress)
+        deadline = None if time_limit_s is None else progress.started + time_limit_s
+        collect(manager, set(ids), outputs, progress, deadline)
         progress.finished = time.perf_counter()
-    return [outputs[i] for i in ids]
+        for request_id in set(ids) - outputs.keys():  # past the time limit: nothing left running at the exit
+            manager.cancel_request(request_id)
+    return {i: outputs[i] for i in ids if i in outputs}
 
 
-def collect(manager: Any, ids: set[str], outputs: dict[str, list[int]], progress: Progress | None = None) -> None:
-    """Wait for every request of ``ids`` to finish, its generated ids into ``outputs``."""
+def collect(manager: Any, ids: set[str], outputs: dict[str, list[int]], progress: Progress | None = None,
+            deadline: float | None = None) -> None:
+    """Wait for every request of ``ids`` to finish, its generated ids into ``outputs``; at ``deadline`` (a
+    time.perf_counter()) stop waiting, with what finished by then."""
     while len(outputs.keys() & ids) < len(ids):
-        result = manager.get_result(timeout=1)
+        if deadline is not None and time.perf_counter() >= deadline:
+            return
+        wait = 1.0 if deadline is None else max(0.01, min(1.0, deadline - time.perf_counter()))
+        result = manager.get_result(timeout=wait)
         if result is None:
             if not manager.is_running():
                 raise RuntimeError("transformers' generation thread stopped before every request finished")
@@ -242,7 +348,8 @@ def record(name: str, device: str, dtype: str, model: str, work: Workload, progr
             "workload": work.describe(), "settings": progress.settings, "complete": complete,
             "startup_s": progress.startup_s, "seconds": seconds, "output_tokens": progress.output_tokens,
             "finished_sequences": progress.finished_sequences,
-            "tokens_per_s": progress.output_tokens / seconds if seconds else None}
+            "tokens_per_s": progress.output_tokens / seconds if seconds else None,
+            **({"label": progress.settings["label"]} if "label" in progress.settings else {})}
 
 
 def write(result: dict[str, Any], out: Path) -> Path:
@@ -259,6 +366,14 @@ def on_sigterm(save: Callable[[], Path]) -> None:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, stop)
+
+
+def switch(text: str) -> bool | str:
+    """A --cb-cuda-graphs / --cb-async-batching value: on, off, or auto (transformers decides)."""
+    values = {"on": True, "off": False, "auto": "auto"}
+    if text not in values:
+        raise argparse.ArgumentTypeError(f"{text!r}: on, off or auto")
+    return values[text]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,6 +394,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-arg", action="append", default=[], metavar="FIELD=VALUE",
                         help="another EngineConfig field of the stage, e.g. speculative=off (repeatable)")
     parser.add_argument("--out", type=Path, help="folder for the JSON (default: results/cuda/<gpu>/ on a GPU)")
+    parser.add_argument("--name", help="the result's name (default: throughput_<stage folder> or throughput_<peer>)")
+    peer = parser.add_argument_group("--peer transformers")
+    peer.add_argument("--attn-implementation", choices=ATTENTION_CHOICES, default="auto",
+                      help="auto: flash-attention 3, else 2, whichever imports here (on CUDA), else paged SDPA")
+    peer.add_argument("--time-limit", type=float, metavar="S",
+                      help="stop after S seconds of measuring, counting the tokens of the finished sequences")
+    for option, kind, meaning in [("num-blocks", int, "KV cache blocks (default: the whole workload's)"),
+                                  ("block-size", int, f"tokens a block (default {PAGE})"),
+                                  ("max-batch-tokens", int, f"tokens a step (default: {CUDA_TOKEN_BUDGET} with "
+                                                            f"flash-attention, {SDPA_BATCH_TOKENS} with paged SDPA)"),
+                                  ("max-requests-per-batch", int, "requests a step (default: every sequence)"),
+                                  ("cuda-graphs", switch, "on, off or auto (default: off with paged SDPA)"),
+                                  ("async-batching", switch, "on, off or auto (default: off with paged SDPA)")]:
+        peer.add_argument(f"--cb-{option}", type=kind, help=meaning)
     args = parser.parse_args(argv)
 
     from .bench import device_and_dtype
@@ -289,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     work = workload(args.num_seqs, args.min_len, args.max_len, min(args.max_token_id, vocab - 1))
     folder = stage_folder(args.stage)
-    name = f"throughput_{args.peer or folder}"
+    name = args.name or f"throughput_{args.peer or folder}"
     out = args.out or results_dir(device)
     progress = Progress()
     on_sigterm(lambda: write(record(name, device, dtype, model, work, progress, complete=False), out))
@@ -298,18 +427,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.peer == "transformers":
         for key, value in OFFLINE_ENV.items():
             os.environ.setdefault(key, value)
-        outputs = run_transformers(model, device, dtype, work, progress)
+        given = {option: getattr(args, f"cb_{option}") for option in CB_FIELDS if hasattr(args, f"cb_{option}")}
+        finished = run_transformers(model, device, dtype, work, progress, args.attn_implementation, given,
+                                    args.time_limit)
+        outputs = [finished.get(f"seq-{i}", []) for i in range(len(work.prompts))]
     else:
         engine_args = dict(arg.split("=", 1) for arg in args.engine_arg)
         outputs = run_stage(folder, model, device, dtype, work, progress, args.max_num_seqs,
                             **{key.replace("-", "_"): parse_value(value) for key, value in engine_args.items()})
-    wrong = [i for i, (ids, n) in enumerate(zip(outputs, work.max_tokens, strict=True)) if len(ids) != n]
-    result = record(name, device, dtype, model, work, progress, complete=not wrong)
+    unfinished = [i for i, ids in enumerate(outputs) if not ids]  # stopped at the time limit
+    wrong = [i for i, (ids, n) in enumerate(zip(outputs, work.max_tokens, strict=True)) if ids and len(ids) != n]
+    result = record(name, device, dtype, model, work, progress, complete=not wrong and not unfinished)
     if wrong:
         result["wrong_lengths"] = wrong
+    if unfinished:
+        result["unfinished_at_time_limit"] = len(unfinished)
     path = write(result, out)
+    label = f" {progress.settings['label']}" if "label" in progress.settings else ""
     print(f"{name}: {result['output_tokens']} tokens in {result['seconds']:.2f} s: "
-          f"{result['tokens_per_s']:.1f} tokens/s (start-up {result['startup_s']:.1f} s); wrote {path}", flush=True)
+          f"{result['tokens_per_s'] or 0:.1f} tokens/s (start-up {result['startup_s']:.1f} s)"
+          f"{f', {len(unfinished)} unfinished at the time limit' if unfinished else ''}{label}; wrote {path}",
+          flush=True)
     if wrong:
         print(f"error: {len(wrong)} sequences did not produce their output length (EOS not ignored?)", flush=True)
     return 1 if wrong else 0

@@ -52,6 +52,13 @@ CASES = [(folder, variant) for folder in STAGES for variant in VARIANTS[folder]]
 GPU_MARGIN = 1e-3  # nats: float32 logits differ by about 1e-5 between the two machines
 GPU_CASES = [pytest.param(folder, {"device": "cuda", **({"kv_cache_mb": 256} if has(folder, "paged_kv") else {})},
                           marks=pytest.mark.cuda, id=f"{folder}-cuda") for folder in STAGES]
+# The overlapping engine's two switches on the GPU, where its launch-ahead and placeholders run on a real stream:
+# speculation off (every step may overlap; the default's guesses make most steps wait) and overlap disabled.
+OVERLAP_SWITCHES = {"speculative-off": {"speculative": "off"}, "disable-overlap": {"disable_overlap": True}}
+GPU_CASES += [pytest.param(folder, {"device": "cuda", "kv_cache_mb": 256, **switch}, marks=pytest.mark.cuda,
+                           id=f"{folder}-cuda-{name}")
+              for folder in STAGES if has(folder, "overlap") and not has(folder, "gateway")
+              for name, switch in OVERLAP_SWITCHES.items()]
 
 
 CPU_CASES = [pytest.param(folder, variant, id=f"{folder}{'-' + str(variant) if variant else ''}")
@@ -104,6 +111,39 @@ def test_the_latest_engine_in_bfloat16_gives_hugging_faces_bfloat16_greedy_token
             assert tokens == theirs, engine.tokenizer.decode(ids)  # and neither ends sooner
             continue
         logprobs = hf_next_logprobs(ids + theirs[:flip], torch.bfloat16)
+        gap = abs(float(logprobs[tokens[flip]] - logprobs[theirs[flip]]))
+        assert gap <= BF16_MARGIN, f"token {flip} of {engine.tokenizer.decode(ids)!r}: a flip {gap:.2g} nats apart"
+
+
+@pytest.fixture(scope="module")
+def hf_bf16_cuda(model_dir: Path):
+    """Hugging Face's model in bfloat16 on the GPU: the bfloat16 reference computed where the engine runs."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, local_files_only=True)
+    return model.to("cuda").eval()
+
+
+@pytest.mark.cuda
+def test_the_latest_engine_in_bfloat16_on_a_gpu_gives_hugging_faces_bfloat16_tokens_on_the_gpu(hf_bf16_cuda,
+                                                                                             model_dir):
+    """The bfloat16 rule above, both sides on the GPU: the kernels (Triton's attention, the fused norms, the graphs)
+    against Hugging Face's own bfloat16 there, a flip accepted only at a near-tie of BF16_MARGIN."""
+    engine = make_engine(LATEST_ENGINE, model_dir, device="cuda", dtype="bfloat16", kv_cache_mb=256)
+    prompts = [engine.encode(p) for p in TEXT_PROMPTS]
+    prompts += [engine.encode_chat([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
+    for ids, tokens in zip(prompts, greedy_tokens(LATEST_ENGINE, engine, prompts), strict=True):
+        x = torch.tensor([ids], device="cuda")
+        with torch.inference_mode():
+            theirs = hf_bf16_cuda.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_TOKENS,
+                                           do_sample=False)[0, len(ids):].tolist()
+        flip = next((i for i, (a, b) in enumerate(zip(tokens, theirs, strict=False)) if a != b), None)
+        if flip is None:
+            assert tokens == theirs, engine.tokenizer.decode(ids)  # and neither ends sooner
+            continue
+        with torch.inference_mode():
+            logits = hf_bf16_cuda(torch.tensor([ids + theirs[:flip]], device="cuda")).logits[0, -1]
+        logprobs = logits.float().log_softmax(-1)
         gap = abs(float(logprobs[tokens[flip]] - logprobs[theirs[flip]]))
         assert gap <= BF16_MARGIN, f"token {flip} of {engine.tokenizer.decode(ids)!r}: a flip {gap:.2g} nats apart"
 

