@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from common.cli import DEMO_PROMPTS, config_from_args, served_name, stage_parser
 from common.device import DeviceUnavailable, build_off_the_main_thread, pick_device
@@ -17,11 +18,11 @@ from common.trace import Tracer, add_trace_args
 
 from .async_engine import AsyncEngine, CoreFailedToStart
 from .config import EngineConfig
-from .core import describe
 from .distributed import RanksOutOfStep, under_torchrun
-from .engine import Engine, token_budget
 from .sampler import SamplingParams
-from .worker import run_worker
+
+if TYPE_CHECKING:  # the server's process imports no engine (its core process does): the demo and a worker import it
+    from .engine import Engine
 
 
 def answer(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
@@ -34,6 +35,8 @@ def answer(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[l
 def start_engine(config: EngineConfig) -> Engine:
     """The engine, or exit with a one-line error: no such device; a budget below max_num_seqs; a bad draft; a
     --tensor-parallel-size that does not split the model; a rank that exited at start-up."""
+    from .engine import Engine
+
     try:
         return build_off_the_main_thread(lambda: Engine(config))
     except (DeviceUnavailable, ValueError, RanksOutOfStep) as exc:
@@ -71,11 +74,16 @@ def main() -> None:
     args = parser.parse_args()
     config = config_from_args(EngineConfig, args)
     if under_torchrun() and int(os.environ["RANK"]) > 0:  # torchrun started this process as a worker
+        from .engine import token_budget
+        from .worker import run_worker
+
         run_worker(int(os.environ["RANK"]), "env://", config, token_budget(config, pick_device(config.device)))
         return
     if not args.demo:
         serve(config, args)  # the engine is built in the core's own process
         return
+    from .core import describe
+
     engine = start_engine(config)
     try:
         describe(engine)

@@ -1,6 +1,9 @@
 """The API process's side of the engine core: it submits requests and aborts as messages through the core's pipe,
 and a reader thread detokenizes each turn's news, applies the stop strings and hands the outputs to asyncio. The
-core itself runs in its own process (``core.py``) and sends token ids only."""
+core itself runs in its own process (``core.py``) and sends token ids only.
+
+This module imports no engine: the messages come from ``messages.py``, the tokenizing from ``text.py``, and the
+core's entry point (``run_core``) imports ``core.py`` only once it runs, in the child."""
 
 from __future__ import annotations
 
@@ -12,19 +15,22 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
-from multiprocessing.process import BaseProcess
+from multiprocessing.connection import Connection
+from typing import Protocol
+
+from transformers import PreTrainedTokenizerBase
 
 from common.trace import NO_TRACE, RequestTrace, Tracer
 from common.weights import load_tokenizer, resolve_model
 
 from .config import EngineConfig
-from .core import AbortRequest, AddRequest, CoreInput, EngineCore, Ready, Shutdown, StartFailed, StepNews, core_main
 from .detokenizer import IncrementalDetokenizer
-from .engine import Engine, EngineStopped, encode, encode_chat
+from .messages import AbortRequest, AddRequest, CoreInput, EngineStopped, Ready, Shutdown, StartFailed, StepNews
 from .metrics import Metrics
 from .sampler import SamplingParams
 from .sequence import Request, RequestOutput
 from .stats import EngineStats
+from .text import encode, encode_chat
 
 log = logging.getLogger("llm-course")
 STOP_S = 10.0  # how long stop() waits for the core to exit before it kills it
@@ -34,37 +40,68 @@ class CoreFailedToStart(RuntimeError):
     """The core process could not build the engine (the reason is its error's message)."""
 
 
+class Core(Protocol):
+    """What the API process holds of the running core: a server's is its child process (``multiprocessing``'s
+    ``Process`` has all of this). A test that reaches into an engine it built runs the same loop on a thread of its
+    own process instead (``tests/cores.py``), and hands it to ``AsyncEngine.attach``."""
+
+    @property
+    def exitcode(self) -> int | None: ...  # None while it runs (a thread has none)
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+    def is_alive(self) -> bool: ...
+
+    def kill(self) -> None: ...
+
+
+def run_core(config: EngineConfig, conn: Connection, threads: int | None) -> None:
+    """The core process's entry point. ``spawn`` pickles it by module and name and the child imports that module to
+    find it: this one, which imports no engine. ``core.py``, and with it the engine, is imported here, in the child
+    alone, when it runs."""
+    from .core import core_main
+
+    core_main(config, conn, threads)
+
+
 class AsyncEngine:
     """The engine core's client, for asyncio: ``generate`` sends an ``AddRequest`` and reads the request's outputs
     from its own asyncio queue; ``stats()`` returns the snapshot that came with the core's last news.
 
     Given an ``EngineConfig`` (what a server does), the core is a child process that builds the engine: ``spawn``,
-    not ``fork``, so that it starts without this process's threads (and on CUDA, without its CUDA state). Given an
-    ``Engine`` already built (a test that reaches into it), the same loop runs on a thread of this process, with the
-    same messages through the same pipe.
+    not ``fork``, so that it starts without this process's threads (and on CUDA, without its CUDA state).
+    ``attach`` takes a core started some other way: the end of its pipe and a handle to join it by.
 
     A turn's outputs cross to the event loop together, in one call: each crossing wakes the loop (a write to its
     self-pipe, a system call), so one per output would cost a batch of 64 sixty-four wake-ups.
     """
 
-    def __init__(self, source: Engine | EngineConfig, metrics: Metrics | None = None, tracer: Tracer = NO_TRACE,
+    def __init__(self, config: EngineConfig, metrics: Metrics | None = None, tracer: Tracer = NO_TRACE,
                  threads: int | None = None) -> None:
+        tokenizer = load_tokenizer(resolve_model(config.model))
+        conn, core_end = mp.Pipe()
+        core = mp.get_context("spawn").Process(target=run_core, args=(config, core_end, threads), name="engine-core")
+        core.start()  # not a daemon: with several ranks, the core starts their processes
+        core_end.close()  # the child holds its end: when it exits, this side reads the end of the pipe
+        self._connect(conn, core, tokenizer, metrics, tracer)
+        atexit.register(self.stop)  # before multiprocessing's own exit handler waits for the child
+
+    @classmethod
+    def attach(cls, conn: Connection, core: Core, tokenizer: PreTrainedTokenizerBase, metrics: Metrics | None = None,
+               tracer: Tracer = NO_TRACE) -> AsyncEngine:
+        """The client of a core already running at the other end of ``conn``: it waits for the core's Ready, as a
+        server's waits for its child's. (The tests run the loop on a thread, on an engine they built.)"""
+        client = cls.__new__(cls)
+        client._connect(conn, core, tokenizer, metrics, tracer)
+        return client
+
+    def _connect(self, conn: Connection, core: Core, tokenizer: PreTrainedTokenizerBase, metrics: Metrics | None,
+                 tracer: Tracer) -> None:
         self._tracer = tracer  # with --trace, each turn's phases too
         self.metrics = metrics or Metrics()
-        self._conn, core_end = mp.Pipe()
-        self._core: BaseProcess | threading.Thread
-        if isinstance(source, Engine):
-            self.tokenizer = source.tokenizer
-            self._core = threading.Thread(target=EngineCore(source, core_end).run, name="engine-core", daemon=True)
-            ready = Ready(source.max_model_len, source.kv_capacity_tokens, source.stats())
-        else:
-            self.tokenizer = load_tokenizer(resolve_model(source.model))
-            self._core = mp.get_context("spawn").Process(target=core_main, args=(source, core_end, threads),
-                                                         name="engine-core")
-            self._core.start()  # not a daemon: with several ranks, the core starts their processes
-            core_end.close()  # the child holds its end: when it exits, this side reads the end of the pipe
-            ready = self._wait_until_ready()
-            atexit.register(self.stop)  # before multiprocessing's own exit handler waits for the child
+        self.tokenizer = tokenizer
+        self._conn, self._core = conn, core
+        ready = self._wait_until_ready()
         # What the server may read from any thread: fixed at start-up.
         self.max_model_len = ready.max_model_len
         self.kv_capacity_tokens = ready.kv_capacity_tokens
@@ -91,22 +128,17 @@ class AsyncEngine:
         return message
 
     def start(self) -> None:
-        if isinstance(self._core, threading.Thread):
-            self._core.start()
         self._reader.start()
 
     def stop(self) -> None:
         """Ask the core to stop, wait for it (then kill it, if it does not), and for the last of its news. Safe to
         call twice (the server's shutdown, then the interpreter's exit)."""
-        if isinstance(self._core, threading.Thread) and self._core.ident is None:  # a thread never started
-            self._conn.close()
-            return
         self._send(Shutdown())
         self._core.join(timeout=STOP_S)
-        if isinstance(self._core, BaseProcess) and self._core.is_alive():
+        if self._core.is_alive():
             log.error("the engine core did not stop in %.0f s: killed", STOP_S)
             self._core.kill()
-            self._core.join()
+            self._core.join(timeout=STOP_S)  # a process killed is gone at once (a test's thread cannot be killed)
         if self._reader.is_alive():
             self._reader.join(timeout=STOP_S)
         else:  # never started (a server that never served): nothing reads the pipe
@@ -262,7 +294,7 @@ class AsyncEngine:
             return
         clock.lap("handoff")
         self.metrics.engine_busy.inc(core_s)  # its rate: the core's busy fraction
-        self.metrics.observe_step(clock.phases, news.num_decoding)
+        self.metrics.observe_step(clock.phases, news.device_seconds, news.device_decoding)
         self._num_steps += 1
         self._tracer.write_step(self._num_steps, clock, len(news.outputs), news.num_tokens, news.num_decoding)
 
@@ -278,10 +310,8 @@ class AsyncEngine:
 
     def _core_exitcode(self) -> int | None:
         """The core process's exit code (a negative one: the signal that killed it); None for a thread."""
-        if isinstance(self._core, BaseProcess):
-            self._core.join(timeout=1.0)  # its pipe has closed: it is exiting, if not gone
-            return self._core.exitcode
-        return None
+        self._core.join(timeout=1.0)  # its pipe has closed: it is exiting, if not gone
+        return self._core.exitcode
 
 
 def detokenize(detokenizer: IncrementalDetokenizer, output: RequestOutput) -> RequestOutput:

@@ -77,3 +77,9 @@ class EngineConfig:
     disable_overlap: bool = field(default=False, metadata={
         "help": "run every step synchronously, as in stage 09: schedule, run, read the tokens, then the next step "
                 "(overlap launches step N + 1 before processing step N's tokens)"})
+    device_thread: str = field(default="auto", metadata={
+        "help": "on a CPU, run each step's device work (copy-in, forward pass, sampling) on a thread of its own, in "
+                "launch order, as a GPU's stream does, so that the host's work overlaps it; off: each step computes "
+                "inside its launch, and nothing overlaps; auto: off, as it was not reliably faster on a 2-core CPU "
+                "(CUDA has its stream)",
+        "choices": ["auto", "on", "off"]})

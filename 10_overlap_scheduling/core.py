@@ -1,4 +1,4 @@
-"""The engine core: the step loop in a process of its own, and the typed messages it exchanges with the API process.
+"""The engine core: the step loop in a process of its own, taking and sending the typed messages of ``messages.py``.
 
 A server's process does two kinds of work. The API side parses HTTP, tokenizes, streams SSE, and runs an event loop
 that wakes for every client; the core schedules, launches steps and reads their tokens. In one process they share one
@@ -8,10 +8,11 @@ interpreter lock, so every client's chunk is time the core cannot launch the nex
     HTTP, tokenize, SSE  --AddRequest/AbortRequest-->   EngineCore.run: take messages, step, send news
     AsyncEngine's reader <------- StepNews ----------   (one message per turn, whatever the batch size)
 
-Both directions go through one ``multiprocessing`` pipe, pickled. A turn sends one ``StepNews``: every output of
-the step it processed, the engine's stats snapshot, the turn's clock (for /metrics and ``--trace``) and the spans of
-the requests that are traced. One message per turn, never one per token: at 64 sequences a message per token would
-be 64 pickles, 64 system calls and 64 wake-ups of the reader.
+Both directions go through one ``multiprocessing`` pipe, pickled; the messages are defined in ``messages.py``, which
+the API process can import without the engine (unpickling a message imports its class's module). A turn sends one
+``StepNews``: every output of the step it processed, the engine's stats snapshot, the turn's clock (for /metrics and
+``--trace``) and the spans of the requests that are traced. One message per turn, never one per token: at 64
+sequences a message per token would be 64 pickles, 64 system calls and 64 wake-ups of the reader.
 
 The core knows nothing of HTTP or asyncio: requests are ids, prompts are token ids. When the API process goes away,
 the core reads the end of the pipe and stops; when the core dies, the API process reads the end of the pipe and
@@ -22,7 +23,6 @@ same split (over ZeroMQ sockets).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 import torch
@@ -32,76 +32,22 @@ from common.trace import NO_TRACE, RequestTrace, Span, StepClock
 
 from .config import EngineConfig
 from .distributed import RanksOutOfStep
-from .engine import Engine, EngineStopped, InvalidRequest
-from .sampler import SamplingParams
+from .engine import Engine
+from .messages import (
+    AddRequest,
+    CoreInput,
+    CoreOutput,
+    EngineStopped,
+    InvalidRequest,
+    Ready,
+    Shutdown,
+    StartFailed,
+    StepNews,
+)
 from .sequence import RequestOutput
-from .stats import EngineStats
 
 log = logging.getLogger("llm-course")
 RANK_CHECK_S = 1.0  # how often an idle core checks that its other ranks are alive
-
-
-# --- what the API process sends the core ----------------------------------------------------------
-
-
-@dataclass
-class AddRequest:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    n: int = 1
-    traced: bool = False  # send its engine spans back with each turn's news (--trace)
-
-
-@dataclass
-class AbortRequest:
-    request_id: str  # its client left
-    index: int | None = None  # only this sample: a stop string ended it (the API process found it in the text)
-
-
-@dataclass
-class Shutdown:
-    pass
-
-
-CoreInput = AddRequest | AbortRequest | Shutdown
-
-
-# --- what the core sends the API process ----------------------------------------------------------
-
-
-@dataclass
-class Ready:
-    """The engine is built: what the API process must know before it takes a request."""
-
-    max_model_len: int
-    kv_capacity_tokens: int
-    stats: EngineStats
-
-
-@dataclass
-class StartFailed:
-    reason: str  # no such device, a budget too small, a rank that exited: the server exits with it
-
-
-@dataclass
-class StepNews:
-    """One turn of the core's loop: its outputs and the engine as it stands after it."""
-
-    outputs: list[RequestOutput]  # every request with news, including those refused at admission
-    stats: EngineStats  # the snapshot /health and /metrics read until the next news
-    prompt_tokens: int = 0  # prompt tokens of the requests admitted since the last news (a counter)
-    clock: StepClock | None = None  # the turn's phases; None when it launched and processed nothing
-    num_tokens: int = 0  # tokens the launched step runs
-    num_decoding: int = 0
-    accepted_lengths: list[int] = field(default_factory=list)  # each verification's kept guesses
-    spans: dict[str, list[Span]] = field(default_factory=dict)  # traced requests' new engine spans
-
-
-CoreOutput = Ready | StartFailed | StepNews
-
-
-# --- the core's loop ------------------------------------------------------------------------------
 
 
 class EngineCore:
@@ -141,7 +87,8 @@ class EngineCore:
             result = self.engine.step(clock)
             outputs = self.rejected + [output for output in result.outputs if self._keep(output)]
             news = StepNews(outputs, self.engine.stats(), self.prompt_tokens, clock, result.num_tokens,
-                            result.num_decoding, result.accepted_lengths, self._new_spans())
+                            result.num_decoding, result.accepted_lengths, self._new_spans(), result.device_seconds,
+                            result.device_decoding)
             self.rejected, self.prompt_tokens = [], 0
             self._send(news)
 
@@ -267,6 +214,9 @@ def describe(engine: Engine) -> None:
         print("Speculation: off")
     if config.disable_overlap:
         print("Overlap scheduling: off (--disable-overlap): each step's tokens are read before the next is scheduled")
+    elif not engine.overlaps:
+        print("Overlap scheduling: off on a CPU without --device-thread on: a launch computes the step, so step N's "
+              "news would wait for step N + 1; each step's tokens are read before the next is launched")
     else:
         print("Overlap scheduling: step N + 1 is launched before step N's tokens are read; steps with guesses or "
-              "penalties, prompt logprobs, or several ranks wait for the step before")
+              "penalties, or several ranks, wait for the step before")

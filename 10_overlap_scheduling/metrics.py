@@ -35,13 +35,14 @@ class Metrics:
         self.engine_busy = Counter("llm_engine_busy_seconds", "Seconds the engine core spent computing "
                                    "(not waiting for work); its rate is the engine's busy fraction.", registry=r)
         # Where a token's time goes: the model's (execute) and the server's own (every other phase).
-        self.step_phase = Histogram("llm_step_phase_seconds", "Time of each phase of an engine step: schedule, "
-                                    "propose, prepare, execute (the forward pass), verify, update, detokenize, and "
+        self.step_phase = Histogram("llm_step_phase_seconds", "Time of each phase of an engine turn: schedule, "
+                                    "propose, prepare, launch (the step queued on the device), read (the wait for "
+                                    "the tokens of the step launched a turn before), verify, update, detokenize, and "
                                     "handoff (its outputs sent through the core's pipe and passed to the event "
                                     "loop).", ["phase"], buckets=PHASE_BUCKETS, registry=r)
-        self.decode_step = Histogram("llm_decode_step_seconds", "The forward pass (execute) of each step, once for "
-                                     "each sequence that decoded in it: its mean is the model's part of an "
-                                     "inter-token latency.", buckets=PHASE_BUCKETS, registry=r)
+        self.decode_step = Histogram("llm_decode_step_seconds", "The device's time for each step (CUDA events, or the "
+                                     "CPU's device thread), once for each sequence that decoded in it: its mean is "
+                                     "the model's part of an inter-token latency.", buckets=PHASE_BUCKETS, registry=r)
         self.stream_write = Histogram("llm_stream_write_seconds", "Time the event loop took to write one streamed "
                                       "event out (server-sent events).", buckets=PHASE_BUCKETS, registry=r)
 
@@ -88,13 +89,14 @@ class Metrics:
         self.kv_blocks_evictable.set_function(lambda: stats().kv_blocks.evictable)
         self.spec_acceptance_rate.set_function(lambda: stats().speculation.acceptance_rate)
 
-    def observe_step(self, phases: dict[str, float], num_decoding: int) -> None:
-        """One step's phases, in seconds (``StepClock.phases``); its forward pass once for each sequence that waited
-        for it between two of its tokens (a token-weighted mean, as the ITL's is: a step of 64 counts 64 times)."""
+    def observe_step(self, phases: dict[str, float], device_seconds: float, num_decoding: int) -> None:
+        """One turn's phases, in seconds (``StepClock.phases``); and the device's time for the step it read, once for
+        each sequence that waited for that step between two of its tokens (a token-weighted mean, as the ITL's is: a
+        step of 64 counts 64 times)."""
         for phase, seconds in phases.items():
             self.step_phase.labels(phase).observe(seconds)
         for _ in range(num_decoding):
-            self.decode_step.observe(phases["execute"])
+            self.decode_step.observe(device_seconds)
 
     def count(self, before: EngineStats, after: EngineStats) -> None:
         """Move the counters by what the engine counted between two of its snapshots."""

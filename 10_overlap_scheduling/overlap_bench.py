@@ -1,5 +1,5 @@
-"""Stage 10 measured offline: one batch through stage 09's engine, this stage's with --disable-overlap and this
-stage's overlapping, in rounds, in one process.
+"""Stage 10 measured offline: one batch through stage 09's engine, this stage's with --disable-overlap, this stage's
+overlapping, and overlapping with the CPU's device thread (--device-thread on), in rounds, in one process.
 
     python -m 10_overlap_scheduling.overlap_bench            # results/cpu/10_overlap_scheduling_offline.json
     python -m 10_overlap_scheduling.overlap_bench --quick    # 8 sequences, one round, into results/quick/ (CI)
@@ -7,8 +7,9 @@ stage's overlapping, in rounds, in one process.
 A served sweep on a 2-core machine moves by a fifth from run to run (other processes, the client on the same
 cores); here the three engines take turns within each round, so that the machine's drift falls on all three
 alike, and no server or client shares the cores. Each run: the same greedy, fixed-length requests added at once
-and stepped to the end, every turn timed (``StepClock``): tokens per second, turns, and per turn the forward pass
-(``execute``) and everything else (the host's work).
+and stepped to the end, every turn timed: tokens per second, turns, per turn the device's time for the step it read
+(stage 10's ``device_seconds``; stage 09's ``execute`` phase) and the rest, and stage 10's overlapped and synchronous
+steps.
 """
 
 from __future__ import annotations
@@ -43,39 +44,51 @@ def run_batch(engine, folder: str, num_seqs: int, max_tokens: int, tag: str) -> 
     params = sampling_params(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i in range(num_seqs):
         engine.add_request(f"{tag}-{i}", engine.encode(f"{i}: {PROMPTS[i % len(PROMPTS)]}"), params)
-    turns, execute = 0, 0.0
+    turns, device = 0, 0.0
+    overlap_before = getattr(engine.stats(), "overlap", None)
     started = time.perf_counter()
     while engine.has_unfinished():
         clock = StepClock()
-        engine.step(clock)
+        result = engine.step(clock)
         turns += 1
-        execute += clock.phases.get("execute", 0.0)
+        device += getattr(result, "device_seconds", None) or clock.phases.get("execute", 0.0)
     seconds = time.perf_counter() - started
-    return {"tokens_per_s": round(num_seqs * max_tokens / seconds, 2), "turns": turns,
-            "execute_ms_per_turn": round(1000 * execute / turns, 2),
-            "host_ms_per_turn": round(1000 * (seconds - execute) / turns, 3)}
+    run = {"seqs": num_seqs, "tokens_per_s": round(num_seqs * max_tokens / seconds, 2), "turns": turns,
+           "device_ms_per_turn": round(1000 * device / turns, 2),
+           "rest_ms_per_turn": round(1000 * (seconds - device) / turns, 3)}
+    if overlap_before is not None:
+        after = engine.stats().overlap
+        run["overlapped_steps"] = after.overlapped - overlap_before.overlapped
+        run["synchronous_steps"] = {reason: count - overlap_before.synchronous.get(reason, 0)
+                                    for reason, count in after.synchronous.items()}
+    return run
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog=f"python -m {STAGE}.overlap_bench", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--quick", action="store_true", help="8 sequences of 16 tokens, one round, into results/quick/")
-    parser.add_argument("--seqs", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--seqs", type=int, nargs="+", default=[1, 16, 64], help="batch sizes, each in every round")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    seqs, max_tokens, rounds = (8, 16, 1) if args.quick else (args.seqs, args.max_tokens, args.rounds)
+    seqs, max_tokens, rounds = ([8], 16, 1) if args.quick else (args.seqs, args.max_tokens, args.rounds)
     model = str(resolve_model(args.model))
     machine = machine_info("cpu")  # before the engines load: the load average is the machine's, not ours
     engines = {"stage 09": (BEFORE, make_engine(BEFORE, model)),
                "stage 10, --disable-overlap": (STAGE, make_engine(STAGE, model, disable_overlap=True)),
-               "stage 10": (STAGE, make_engine(STAGE, model))}
+               "stage 10": (STAGE, make_engine(STAGE, model)),
+               "stage 10, --device-thread on": (STAGE, make_engine(STAGE, model, device_thread="on"))}
     runs = []
     for round_ in range(rounds):
-        for name, (folder, engine) in engines.items():
-            runs.append({"engine": name, "round": round_, **run_batch(engine, folder, seqs, max_tokens, f"r{round_}")})
-            print(f"round {round_} {name}: {runs[-1]}")
-    median = {name: statistics.median(r["tokens_per_s"] for r in runs if r["engine"] == name) for name in engines}
+        for num_seqs in seqs:
+            for name, (folder, engine) in engines.items():
+                tag = f"r{round_}-{num_seqs}"
+                runs.append({"engine": name, "round": round_, **run_batch(engine, folder, num_seqs, max_tokens, tag)})
+                print(f"round {round_} {name}: {runs[-1]}")
+    median = {f"{name}, {n} seqs": statistics.median(r["tokens_per_s"] for r in runs
+                                                     if r["engine"] == name and r["seqs"] == n)
+              for n in seqs for name in engines}
     out = RESULTS / ("quick" if args.quick else "") / "cpu" / f"{STAGE}_offline.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({

@@ -52,7 +52,7 @@ from common.trace import NO_TRACE, RequestTrace, Tracer
 from . import TITLE
 from .async_engine import AsyncEngine
 from .detokenizer import IncrementalDetokenizer
-from .engine import EngineStopped, InvalidRequest
+from .messages import EngineStopped, InvalidRequest
 from .sampler import SamplingParams
 from .sequence import RequestOutput
 from .sse import GENERATION_RESPONSES, sse_event

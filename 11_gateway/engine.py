@@ -1,13 +1,11 @@
 """The engine: one step at a time within a token budget, every request in flight batched into each pass, each step
 launched before the step before it is processed.
 
-Each ``step`` is a short pipeline: the scheduler picks the sequences that take part and how many tokens
-each (one for every decoding sequence, then chunks of prompts, within the step's token budget), the
-model runner lays them out as one flat batch and runs the model, the sampler picks the next token of
-every sequence whose step reaches its last token, and the scheduler counts the computed tokens,
-appends the new ones, finishes the sequences that are done and frees their blocks. A request that
-arrives mid-way joins at the next step; a long prompt is computed a chunk per step, alongside
-everyone else's decodes.
+Each step: the scheduler picks the sequences that take part and how many tokens each (one for every decoding
+sequence, then chunks of prompts, within the step's token budget), the executor lays them out as one flat batch, runs
+the model and picks the next token of every sequence whose step reaches its last token, and the scheduler counts the
+computed tokens, appends the new ones, finishes the sequences that are done and frees their blocks. A request that
+arrives mid-way joins at the next step; a long prompt is computed a chunk per step, alongside everyone else's decodes.
 
 A decoding sequence may also bring guesses of its next tokens (``proposer.py``): the scheduler
 reserves room for them, the proposer fills it, the model runs the last token and the guesses in one
@@ -25,13 +23,14 @@ or does not finish within ``--dist-timeout``, stops the engine (the ranks can no
 every rank.
 
 The steps overlap. A step's work on the host (scheduling, laying out the batch, reading the sampled tokens,
-finishing sequences) is time the device does nothing, unless the device has the next step to run
-meanwhile. So each turn of the loop schedules and launches step N + 1 first, then processes step N, whose tokens
-are ready or nearly: the device computes N + 1 while Python processes N. Step N + 1 cannot know step N's tokens on
-the host yet; its decoding sequences' input ids are placeholders, which the device fills in from step N's sampled
-tokens. A sequence that ends in step N (EOS) has had a token computed in step N + 1 all the same, which is
-dropped unread; one that reaches ``max_tokens`` is never scheduled past it. A step that needs a token on
-the host (guesses to propose, penalties to count, ranks to send it to) waits for the step before it, and says why.
+finishing sequences) is time the device does nothing, unless the device has the next step to run meanwhile. Every step
+is the same four calls (``schedule``, ``executor.launch``, ``InFlight.read``, ``scheduler.postprocess``), and a turn of
+the loop makes them so that step N + 1 is launched before step N is read: the device computes N + 1 while Python
+processes N. Step N + 1 cannot know step N's tokens on the host yet; its decoding sequences' input ids are
+placeholders, which the device fills in from step N's sampled tokens. A sequence that ends in step N (EOS) has had a
+token computed in step N + 1 all the same, which is dropped unread; one that reaches ``max_tokens`` is never
+scheduled past it. A step that needs a token on the host (guesses to propose, penalties to count, ranks to send it
+to) waits for the step before it, says why, and runs in the next turn, once step N's news has left.
 
 ``Engine`` is the core (``add_request``, ``step``, ``abort``); a server runs its loop in a process of its own
 (``core.py``), which the API process talks to through ``AsyncEngine`` (``async_engine.py``).
@@ -39,12 +38,11 @@ the host (guesses to propose, penalties to count, ranks to send it to) waits for
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from common.device import pick_device, pick_dtype
 from common.trace import RequestTrace, StepClock
@@ -52,43 +50,27 @@ from common.weights import load_tokenizer, resolve_model
 
 from .block_manager import BlockManager
 from .config import CPU_TOKEN_BUDGET, CUDA_TOKEN_BUDGET, EngineConfig
-from .distributed import STEP_POLL_S, RanksOutOfStep, TPGroup, device_of, start_ranks, under_torchrun, wait_until
+from .distributed import RanksOutOfStep, TPGroup, device_of, start_ranks, under_torchrun
+from .executor import Executor, InFlight, uses_device_thread
 from .kv_cache import KVCache
+from .messages import EngineStopped, InvalidRequest
 from .model import LlamaForCausalLM, ModelConfig
-from .model_runner import StepInput, cost_rows, start_runner
+from .model_runner import cost_rows, start_runner
 from .policy import SpeculationCost
 from .prefix_index import HashIndex, PrefixIndex
 from .proposer import DraftProposer, NgramProposer, layer_skip_draft, load_draft
 from .radix_tree import RadixTree
-from .sampler import SamplingParams, TokenLogprobs, compute_logprobs, make_generator
-from .scheduler import Batch, Sampled, Scheduler
-from .sequence import RequestOutput, Sequence, SequenceStatus, StepKind, StepResult
-from .speculative import Speculation, next_tokens, verify
+from .sampler import SamplingParams, make_generator
+from .scheduler import Batch, Scheduler
+from .sequence import RequestOutput, Sequence, SequenceStatus, StepResult
+from .speculative import Speculation
 from .stats import EngineStats, KVBlockStats, OverlapStats, PrefixCacheStats
+from .text import encode, encode_chat
 from .worker import memory_report, run_worker
 
 HOST_WEIGHT = 0.1  # the weight of each turn in the running mean of the host's time per step (``measure_host``)
 # Why a step ran synchronously (``Engine.sync_reason``); /metrics counts each.
-SyncReason = Literal["disabled", "tensor_parallel", "speculation", "penalties", "prompt_logprobs"]
-
-
-@dataclass
-class InFlight:
-    """A launched step whose tokens the host has not read yet: what processing it takes."""
-
-    sampling: list[Sequence]  # the sequences it samples a token for, in the order of ``tokens``
-    tokens: torch.Tensor  # [S] int64 on the device: their next tokens (the next step's placeholders point here)
-    logits: torch.Tensor  # [S, V]: kept for the logprobs a request may ask for
-    num_tokens: int  # tokens it ran
-    num_decoding: int  # sequences that decoded in it
-
-
-class InvalidRequest(ValueError):
-    """The engine cannot take this request (token ids outside the vocabulary, too long): a 400."""
-
-
-class EngineStopped(RuntimeError):
-    """The engine core has exited: nothing it held or was sent will ever be served."""
+SyncReason = Literal["tensor_parallel", "speculation", "penalties"]
 
 
 def make_index(kind: str, block_size: int) -> PrefixIndex | None:
@@ -125,17 +107,6 @@ def sample_seed(seed: int | None, index: int) -> int | None:
     if seed is None or index == 0:
         return seed
     return (seed + index * 0x9E3779B97F4A7C15) % 2**64
-
-
-def encode(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
-    return tokenizer(prompt).input_ids
-
-
-def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:
-    """Render the conversation with the model's chat template, ready for the assistant's turn. (Functions of the
-    tokenizer alone: the API process tokenizes with them, and has no engine.)"""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer(text, add_special_tokens=False).input_ids  # the template has them
 
 
 class Engine:
@@ -188,7 +159,12 @@ class Engine:
                                           config.enforce_eager)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
                                    self.eos_token_ids, self.speculation_cost())
-        self.in_flight: InFlight | None = None  # the step launched and not yet processed (overlap)
+        self.executor = Executor(self.runner, self.scheduler, self.proposer, self.ranks, config.dist_timeout,
+                                 uses_device_thread(config, self.device))
+        self.in_flight: InFlight | None = None  # the step launched and not yet read (overlap)
+        self.deferred: Batch | None = None  # a synchronous step scheduled behind it, run at the next turn
+        self.accepted_lengths: list[int] = []  # each verification's of the last step read: the guesses it kept
+        self.last_read: InFlight | None = None  # the step the last turn read
         self.sync_steps: dict[SyncReason, int] = {}  # steps that could not overlap, by reason
         self.num_overlapped = 0  # steps launched while another was in flight
         self.tp.wait_for_all()  # every rank started up (graphs captured and all): the first step may go out
@@ -204,22 +180,12 @@ class Engine:
             raise EngineStopped(why)
 
     def shutdown(self, graceful: bool = True) -> None:
-        """Stop every other rank and leave none behind (``Ranks.stop``)."""
+        """Stop the device thread and every other rank, and leave none behind (``Ranks.stop``)."""
+        self.executor.close()
         self.ranks.stop(graceful)
 
     def memory_report(self) -> str:
         return memory_report(self.runner)
-
-    def _wait_for_ranks(self) -> None:
-        """On a GPU with a process group: wait until the step's GPU work, its collectives too, is done, within
-        ``--dist-timeout`` and only while every worker runs (RanksOutOfStep otherwise). Blocking on the logits
-        instead would wait forever for a dead peer: a collective replayed in a CUDA graph has no timeout. (On a
-        CPU each gloo collective returns when done, or fails after its timeout.)"""
-        if self.device.type != "cuda" or self.tp.group is None:
-            return
-        done = torch.cuda.Event()
-        done.record()  # after every kernel of the step on this stream
-        wait_until(done.query, self.config.dist_timeout, self.ranks.exited, "the step's GPU work", STEP_POLL_S)
 
     def make_draft(self, config: EngineConfig) -> LlamaForCausalLM | None:
         """The draft model of ``--speculative draft``: a local folder's, or the model's own first layers."""
@@ -311,121 +277,112 @@ class Engine:
     def step(self, clock: StepClock | None = None) -> StepResult:
         """One turn of the engine's loop; returns the output of every sequence that has news.
 
-        Overlapping (the default): schedule step N + 1 and launch it, then process step N, launched by the turn
-        before: read its tokens, finish who ended. On a GPU the launch returns at once, so the host's
-        work for step N runs while the GPU computes step N + 1, and the GPU never waits for Python. Step N + 1's
-        input ids are placeholders for step N's tokens, resolved on the device (``resolve_placeholders``); a
-        sequence that ends in step N had a token computed in N + 1 all the same, dropped unread.
-
-        A step that cannot overlap (``sync_reason``) first processes step N, then runs from start to end as in the
-        synchronous engine (``--disable-overlap``: every step).
+        Each step is the same four calls: ``schedule``, ``executor.launch``, ``InFlight.read`` (the one wait) and
+        ``scheduler.postprocess``. Overlapping, a turn makes them in another order: schedule step N + 1 and launch it,
+        then read and process step N, launched by the turn before, while the device computes N + 1. A step that
+        cannot overlap (``sync_reason``) makes them in stage 09's order, but only once step N's news has left: that
+        turn processes step N and returns, and the next turn runs the step (every step so without ``overlaps``).
 
         ``clock`` times each phase (the server's /metrics and --trace show them)."""
         clock = clock or StepClock()
-        result = self._turn(clock)
-        if result.num_tokens:
-            self.measure_host(clock)
-        return result
-
-    def _turn(self, clock: StepClock) -> StepResult:
-        """``step``'s work: schedule; then launch and process, or process and run."""
+        if self.deferred is not None:  # scheduled by the turn before, behind the step then in flight
+            batch, self.deferred = self.deferred, None
+            batch.seqs = [seq for seq in batch.seqs if seq.status is SequenceStatus.RUNNING]  # those ended in N leave
+            clock.lap("schedule")
+            return self._run(batch, clock)
         batch = self.scheduler.schedule()
         clock.lap("schedule")
         reason = self.sync_reason(batch) if batch.seqs else None
-        if batch.seqs and reason is None:
+        if batch.seqs and reason is None and self.overlaps:
             self.num_overlapped += self.in_flight is not None
             ### BEGIN SOLUTION 10.1
-            launched = self._launch(batch, clock)  # step N + 1: on the device's queue
-            processed = self._process(self.in_flight, clock)  # step N: the host's work, meanwhile
-            self.in_flight = launched if isinstance(launched, InFlight) else None  # carried to the next turn
+            flight = self._launch(batch, self.in_flight, clock)  # step N + 1: on the device's queue
+            outputs = self._postprocess(self.in_flight, clock)  # step N: read and processed, meanwhile
+            self.in_flight = flight  # carried to the next turn
             ### END SOLUTION
-            if not isinstance(launched, InFlight):  # it failed to launch: its sequences failed with it
-                return StepResult(processed.outputs + launched.outputs, launched.num_tokens)
-            return StepResult(processed.outputs, launched.num_tokens, num_decoding=launched.num_decoding)
-        processed = self._process(self.in_flight, clock)  # step N first: step N + 1 needs its tokens on the host
-        self.in_flight = None
-        if reason is not None and not self.config.disable_overlap:
+            self.measure_host(clock)
+            return self._result(outputs, flight)
+        if reason is not None and self.overlaps:
             self.sync_steps[reason] = self.sync_steps.get(reason, 0) + 1
-        batch.seqs = [seq for seq in batch.seqs if seq.status is SequenceStatus.RUNNING]  # those ended in N leave
+        if self.in_flight is not None:  # step N's news first: the new step needs its tokens on the host
+            outputs = self._postprocess(self.in_flight, clock)
+            self.in_flight, self.deferred = None, batch if batch.seqs else None
+            return self._result(outputs, None)
+        return self._run(batch, clock)
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether turns overlap: not with ``--disable-overlap``, nor where a launch computes the step before it returns
+        (a CPU without its device thread), where step N's news would wait for step N + 1's forward pass."""
+        return not self.config.disable_overlap and self.executor.queue.asynchronous
+
+    def _run(self, batch: Batch, clock: StepClock) -> StepResult:
+        """A synchronous step: the same calls in stage 09's order, launch, read, postprocess."""
         if not batch.seqs:
-            return processed
-        result = self._run(batch, clock)
-        return replace(result, outputs=processed.outputs + result.outputs)
+            return StepResult([])
+        flight = self._launch(batch, None, clock)
+        return self._result(self._postprocess(flight, clock), flight)
+
+    def _result(self, outputs: list[RequestOutput], launched: InFlight | None) -> StepResult:
+        """The outputs of the step a turn read, the size of the step it launched, the device's time for the one read."""
+        read = self.last_read
+        return StepResult(outputs, launched.num_tokens if launched else 0,
+                          num_decoding=launched.kinds.count("decode") if launched else 0,
+                          accepted_lengths=self.accepted_lengths, device_seconds=read.device_seconds if read else 0.0,
+                          device_decoding=read.kinds.count("decode") if read else 0)
+
+    def _launch(self, batch: Batch, previous: InFlight | None, clock: StepClock) -> InFlight:
+        """Launch ``batch`` behind ``previous`` (the step in flight, whose tokens are its placeholders' values), and let
+        the scheduler count it as run."""
+        flight = self.executor.launch(batch, previous, clock)
+        self.scheduler.launched(batch, flight.sampling)
+        return flight
+
+    def _postprocess(self, flight: InFlight | None, clock: StepClock) -> list[RequestOutput]:
+        """Step ``flight`` read and handed to the scheduler; nothing when no step is in flight. A failed step fails
+        every sequence of it still here (one pass for the whole batch: their caches are half written)."""
+        self.accepted_lengths, self.last_read = [], None
+        if flight is None:
+            return []
+        try:
+            sampled = flight.read(clock)
+        except Exception as exc:
+            return self._fail([seq for seq in flight.batch.seqs if seq.status is not SequenceStatus.FINISHED], exc)
+        self.accepted_lengths = [len(news.token_ids) - 1 for news in sampled if news.proposed]
+        self.last_read = flight
+        return self.scheduler.postprocess(flight.batch, sampled, clock)
 
     def measure_host(self, clock: StepClock) -> None:
-        """On a GPU, the host's share of a turn: its phases but those that wait for the device (``read``, and a
-        synchronous step's ``verify``), a running mean the speculation policy charges a step with guesses for (it
-        cannot overlap: ``SpeculationCost.sync``). On a CPU a launched step computes before it returns, so overlapping
-        hides nothing and the charge stays 0."""
+        """The host's share of an overlapped turn (its phases but ``read``, the wait for the device), a running mean:
+        the overlap a step with guesses gives up by waiting, which the speculation policy charges guesses for
+        (``SpeculationCost.sync``). Where nothing runs behind the host's back, it stays 0."""
         cost = self.scheduler.cost
-        if self.device.type != "cuda" or cost is None:
+        if not self.executor.queue.asynchronous or cost is None:
             return
-        host = sum(clock.phases.values()) - clock.phases.get("read", 0.0) - clock.phases.get("verify", 0.0)
+        host = sum(clock.phases.values()) - clock.phases.get("read", 0.0)
         self.scheduler.cost = replace(cost, sync=cost.sync + HOST_WEIGHT * (host - cost.sync))
 
     def sync_reason(self, batch: Batch) -> SyncReason | None:
-        """Why ``batch`` cannot be launched before the step in flight is processed, or None: it can.
-
-        Each reason is a step that needs, on the host, a token that is still on the device: a proposer guesses from
-        the sequence's last token; penalties (and a logit bias, which goes through the same function) count every
-        token the sequence has; the ranks of a split model receive their input ids from rank 0's host; and a
-        prompt's logprobs are scored apart from the token, as the synchronous step does."""
-        if self.config.disable_overlap:
-            return "disabled"
+        """Why ``batch`` cannot be launched before the step in flight is read (it needs, on the host, a token still on
+        the device), or None. Guesses are the technique's own limit; penalties (and a logit bias) counted from the
+        host's lists and ranks fed by rank 0's host are this engine's (the README says how others lift them)."""
         if self.tp.size > 1:
             return "tensor_parallel"
         if any(seq.num_lookahead_slots for seq in batch.seqs):
             return "speculation"
         if any(seq.params.penalized for seq in batch.seqs):
             return "penalties"
-        if any(seq.needs_prompt_logprobs for seq in batch.seqs):
-            return "prompt_logprobs"
         return None
 
     def has_unfinished(self) -> bool:
-        """Sequences to run, or a step in flight to process."""
-        return self.scheduler.has_unfinished() or self.in_flight is not None
+        """Sequences to run, a step in flight to read, or one scheduled behind it."""
+        return self.scheduler.has_unfinished() or self.in_flight is not None or self.deferred is not None
 
-    def _launch(self, batch: Batch, clock: StepClock) -> InFlight | StepResult:
-        """Prepare and launch ``batch`` with the step in flight's tokens as its placeholders' values, and sample its
-        next tokens, without reading anything back; the scheduler counts the step as run. A failure fails the batch
-        (the StepResult of its failures)."""
-        try:
-            inputs = self.runner.prepare(batch)
-            input_ids = self.runner.device_input_ids(inputs, self.in_flight.tokens if self.in_flight else None)
-            clock.lap("prepare")
-            logits, _ = self.runner.execute(inputs, input_ids)  # [S, V]: one row per sampling sequence
-            clock.lap("execute")
-            sampling = [seq for seq in batch.seqs if seq.samples_next_token]
-            tokens = next_tokens(logits, [seq.params for seq in sampling], [seq.generator for seq in sampling])
-            clock.lap("sample")
-        except Exception as exc:
-            return StepResult(self._fail(batch, exc), batch.num_tokens)
-        kinds: list[StepKind] = ["decode" if seq.num_output_tokens and seq.num_new_tokens == 1 else "prefill"
-                                 for seq in batch.seqs]
-        for seq, kind in zip(batch.seqs, kinds, strict=True):
-            seq.trace.add(kind, clock.started, clock.last)
-        num_tokens = batch.num_tokens  # read before launched, which counts the scheduled tokens as computed
-        self.scheduler.launched(batch)  # each of ``sampling`` now has a pending token: its row in ``tokens``
-        return InFlight(sampling, tokens, logits, num_tokens, kinds.count("decode"))
-
-    def _process(self, flight: InFlight | None, clock: StepClock) -> StepResult:
-        """Step N's tokens read (the one wait for the device), with the logprobs their requests asked for, and handed to
-        the scheduler; nothing when no step is in flight."""
-        if flight is None or not flight.sampling:
-            return StepResult([])
-        try:  # one rank only (tensor_parallel waits): no peer can fail to enter a collective, so no deadline
-            token_ids = flight.tokens.tolist()  # waits for step N's last kernel, not for step N + 1's
-            clock.lap("read")
-            logprobs = compute_logprobs(flight.logits, token_ids, [seq.params.logprobs for seq in flight.sampling])
-        except Exception as exc:
-            live = [seq for seq in flight.sampling if seq.status is not SequenceStatus.FINISHED]
-            return StepResult(self._fail(Batch(live), exc))
-        return StepResult(self.scheduler.update_launched(flight.sampling, token_ids, logprobs, clock))
-
-    def _fail(self, batch: Batch, exc: Exception) -> list[RequestOutput]:
+    def _fail(self, seqs: list[Sequence], exc: Exception) -> list[RequestOutput]:
         """A step failed: one pass for the whole batch, so all of it fails (their caches are half written). A failure
-        the engine cannot go on from stops it."""
+        the engine cannot go on from stops it, and drops the steps in flight with it (their work cannot be read)."""
+        if isinstance(exc, RanksOutOfStep | torch.AcceleratorError):
+            self.in_flight = self.deferred = None
         if isinstance(exc, RanksOutOfStep):  # a rank died, or failed mid-step
             self.check_ranks()  # the better message, when a process is gone
             raise EngineStopped(f"the tensor-parallel ranks are out of step: {exc}") from exc
@@ -434,88 +391,7 @@ class Engine:
             # too. Failing this batch and going on would fail every batch after it, so the engine
             # stops, and the server says so (503) instead of answering each request with a 500.
             raise EngineStopped(f"the GPU failed: {exc}") from exc
-        return [self.scheduler.fail(seq, exc) for seq in batch.seqs]
-
-    def _run(self, batch: Batch, clock: StepClock) -> StepResult:
-        """A synchronous step: propose, prepare, execute, verify, update (the scheduler counts the step's tokens,
-        appends each run, finishes and frees), all before the next step is scheduled. On a GPU ``execute`` only
-        launches the forward pass, and its time shows in ``verify``, the first phase that waits for its result."""
-        try:
-            self._propose(batch)
-            clock.lap("propose")
-            inputs = self.runner.prepare(batch)
-            clock.lap("prepare")
-            self.ranks.send(inputs)  # every other rank runs the same step on its slices
-            logits, prompt_logits = self.runner.execute(inputs)  # [R, V]: 1 + k rows per sampling sequence; [M, V]
-            clock.lap("execute")
-            self._wait_for_ranks()
-            sampled = self._verify(batch, inputs, logits, prompt_logits)
-            clock.lap("verify")
-        except Exception as exc:
-            return StepResult(self._fail(batch, exc), batch.num_tokens)
-        kinds: list[StepKind] = ["decode" if seq.output_ids and seq.num_new_tokens == 1 else "prefill"
-                                 for seq in batch.seqs]
-        for seq, kind in zip(batch.seqs, kinds, strict=True):  # the whole step: each waited for all of the batch
-            seq.trace.add(kind, clock.started, clock.last)
-        accepted_lengths = [len(news.token_ids) - 1 for seq, news in zip(batch.seqs, sampled, strict=True)
-                            if seq.draft_ids]
-        num_tokens = batch.num_tokens  # read before update, which counts the scheduled tokens as computed
-        return StepResult(self.scheduler.update(batch, sampled, clock), num_tokens,
-                          num_decoding=kinds.count("decode"), accepted_lengths=accepted_lengths)
-
-    def _propose(self, batch: Batch) -> None:
-        """The sequences the scheduler reserved room for get up to that many guesses each."""
-        seqs = [seq for seq in batch.seqs if seq.num_lookahead_slots]
-        if not seqs:
-            return
-        assert self.proposer is not None, "room for guesses, and nobody to guess"
-        self.scheduler.set_guesses(seqs, self.proposer.propose(seqs, [seq.num_lookahead_slots for seq in seqs]))
-
-    def _verify(self, batch: Batch, inputs: StepInput, logits: torch.Tensor,
-                prompt_logits: torch.Tensor | None) -> list[Sampled]:
-        """The run of every sequence whose step reaches its last token: the longest run of its guesses the model
-        agrees with, plus one token of its own, from its 1 + k rows of ``logits`` (a chunk that ends part-way
-        through its prompt samples nothing); with the logprobs its request asked for."""
-        sampling = [seq for seq in batch.seqs if seq.samples_next_token]  # [S]; none when only mid-prompt chunks
-        runs = verify(logits, [seq.params for seq in sampling], [seq.draft_ids for seq in sampling],
-                      [seq.draft_probs for seq in sampling], [seq.output_ids for seq in sampling],
-                      [seq.generator for seq in sampling]) if sampling else []
-        logprobs = self._logprobs(logits, sampling, runs)
-        chosen = {id(seq): (run, run_logprobs) for seq, run, run_logprobs in zip(sampling, runs, logprobs, strict=True)}
-        scored = prompt_logits.split(inputs.num_prompt_logits) if prompt_logits is not None else None
-        sampled = []
-        for i, seq in enumerate(batch.seqs):
-            prompt_logprobs = None
-            if scored is not None and inputs.num_prompt_logits[i]:
-                prompt_logprobs = self._score_prompt(seq, scored[i])
-            run, run_logprobs = chosen.get(id(seq), ([], []))
-            sampled.append(Sampled(run, run_logprobs, prompt_logprobs))
-        return sampled
-
-    @staticmethod
-    def _logprobs(logits: torch.Tensor, sampling: list[Sequence], runs: list[list[int]]) -> list[list]:
-        """Each sampling sequence's logprobs of the tokens of its run (None where it did not ask): row i of a
-        sequence scores its run's token i; the rows of rejected guesses score nothing."""
-        targets, ks = [], []
-        for seq, run in zip(sampling, runs, strict=True):
-            rows = 1 + len(seq.draft_ids)
-            targets += run + seq.draft_ids[len(run):]  # past the run: any valid id, its row is not asked for
-            ks += [seq.params.logprobs] * len(run) + [None] * (rows - len(run))
-        measured = compute_logprobs(logits, targets, ks) if sampling else []
-        per_seq, start = [], 0
-        for seq, run in zip(sampling, runs, strict=True):
-            per_seq.append(measured[start : start + len(run)])
-            start += 1 + len(seq.draft_ids)
-        return per_seq
-
-    @staticmethod
-    def _score_prompt(seq: Sequence, logits: torch.Tensor) -> list[TokenLogprobs]:
-        """Echo: the logprobs of the prompt tokens this step's rows of ``seq`` predict. Its first row is at position
-        ``num_computed_tokens`` and predicts the token after it."""
-        # logits: [m, V] for positions start .. start + m - 1, which predict prompt tokens start + 1 .. start + m
-        start = seq.num_computed_tokens
-        targets = seq.prompt_ids[start + 1 : start + 1 + logits.shape[0]]
-        return compute_logprobs(logits, targets, [seq.params.prompt_logprobs] * len(targets))
+        return [self.scheduler.fail(seq, exc) for seq in seqs]
 
     def generate_offline(self, prompts: list[list[int]],
                          params: SamplingParams | list[SamplingParams]) -> list[list[int]]:

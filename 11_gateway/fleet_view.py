@@ -36,7 +36,7 @@ from ray.serve.context import _get_global_client
 from ray.serve.handle import DeploymentHandle
 from ray.serve.schema import ReplicaState
 
-from .messages import EngineReport
+from .gateway_messages import EngineReport
 
 log = logging.getLogger("llm-course")
 REFRESH_S = 1.0  # how often the snapshot is refreshed: the age a probe's answer may have, at most, when all is well

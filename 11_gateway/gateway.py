@@ -17,7 +17,7 @@ clients an error event; the gateway keeps serving through the others.
 
 /health, /metrics and /fleet answer from the fleet's last snapshot (fleet_view.py), refreshed in the background:
 a probe never waits for Ray Serve's controller or a replica. This module imports neither PyTorch nor the engine
-(what crosses from a replica is defined in messages.py): the gateway's process validates, routes and relays.
+(what crosses from a replica is defined in gateway_messages.py): the gateway's process validates, routes and relays.
 """
 
 # No `from __future__ import annotations` here: Ray Serve's ingress rebuilds the routes' signatures, and FastAPI
@@ -57,7 +57,7 @@ from common.weights import load_tokenizer
 from . import TITLE
 from .fleet_view import FleetCollector, FleetView, gauge
 from .gateway_config import ROUTING_BLOCKS
-from .messages import ResponseStart
+from .gateway_messages import ResponseStart
 from .prefix_index import HashIndex
 from .probe_server import health_answer
 from .routing import DifficultyRule, Size, choose_size

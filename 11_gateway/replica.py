@@ -10,7 +10,7 @@ well (its stream is cancelled, the engine drops the request and frees its blocks
 It also tells Ray Serve what only it knows: how many requests wait in its scheduler and how many it is
 generating for (``record_autoscaling_stats``, which the autoscaling policy reads), and tells the gateway everything
 its stage 10 server's /metrics would show (``report``, which the gateway's /metrics shows for the whole fleet).
-What it sends the gateway is defined in messages.py, which the gateway can import without loading PyTorch.
+What it sends the gateway is defined in gateway_messages.py, which the gateway can import without loading PyTorch.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from starlette.types import Message
 
 from .async_engine import AsyncEngine
 from .config import EngineConfig
-from .messages import EngineReport, ResponseStart
+from .gateway_messages import EngineReport, ResponseStart
 from .server import create_app
 
 log = logging.getLogger("llm-course")

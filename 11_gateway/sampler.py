@@ -182,17 +182,31 @@ def compute_logprobs(logits: torch.Tensor, token_ids: list[int], ks: list[int | 
     ``ks[row]`` most likely tokens, best first. Rows that did not ask cost nothing and get None."""
     # logits: [B, V] raw, as the model computed them
     rows = [i for i, k in enumerate(ks) if k is not None]
-    results: list[TokenLogprobs | None] = [None] * len(ks)
     if not rows:
-        return results
-    # rows and ids: [2, b]
-    indices, ids = to_device([rows, [token_ids[i] for i in rows]], torch.int64, logits.device)
+        return [None] * len(ks)
+    ids = to_device([token_ids[i] for i in rows], torch.int64, logits.device)  # [b]
+    values, top_ids = logprob_tensors(logits, rows, ids, max(ks[i] for i in rows))
+    return unpack_logprobs(token_ids, ks, values.tolist(), top_ids.tolist())  # two reads in all, whatever b
+
+
+def logprob_tensors(logits: torch.Tensor, rows: list[int], ids: torch.Tensor,
+                    widest: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device's half of ``compute_logprobs``, for the ``rows`` of ``logits`` that asked, whose chosen tokens are
+    ``ids`` (on the device: the host need not know them yet). Returns, unread, each row's chosen logprob then its
+    ``widest`` best ([b, 1 + widest] float32), and those best tokens' ids ([b, widest] int64)."""
+    indices = to_device(rows, torch.int64, logits.device)  # [b]
     logprobs = torch.log_softmax(logits.index_select(0, indices).float(), dim=-1)  # [b, V]
     chosen = logprobs.gather(-1, ids[:, None])  # [b, 1]
-    widest = max(ks[i] for i in rows)
     top_values, top_ids = torch.topk(logprobs, widest, dim=-1)  # [b, widest], sorted best first
-    values = torch.cat([chosen, top_values], dim=-1).tolist()  # two reads in all, whatever b
-    top_ids = top_ids.tolist()
+    return torch.cat([chosen, top_values], dim=-1), top_ids
+
+
+def unpack_logprobs(token_ids: list[int], ks: list[int | None], values: list[list[float]],
+                    top_ids: list[list[int]]) -> list[TokenLogprobs | None]:
+    """The host's half: ``logprob_tensors``' rows, read, as one ``TokenLogprobs`` per row that asked (None for the
+    others). Row j of ``values`` and ``top_ids`` belongs to the j-th row whose ``ks`` is not None."""
+    results: list[TokenLogprobs | None] = [None] * len(ks)
+    rows = [i for i, k in enumerate(ks) if k is not None]
     for j, i in enumerate(rows):
         k = ks[i]
         top = list(zip(top_ids[j][:k], values[j][1 : k + 1], strict=True))

@@ -31,18 +31,15 @@ its k, as far as the budget and the free blocks go; the proposer's guesses arriv
 Admission first looks the sequence up in the prefix cache: the blocks of its longest cached prefix
 are shared, and its first chunk starts after them.
 
-After the step, ``update`` counts each sequence's computed tokens (not its rejected guesses), hands the
-run verification kept to the output processor (``output_processor.py``: where it ends the sequence; the text
-is the API process's), appends what it kept, and finishes the sequences that ended: the scheduler is the only one that
-changes a sequence, so the engine's step reads as a pipeline (schedule, propose, prepare, execute, verify,
-update).
-
-A step that overlaps the next is accounted for in two halves. When it is launched, ``launched`` counts its tokens as
-computed and gives each sequence that samples a *pending* token, a placeholder for the token still on the device,
-so that the next step is scheduled as if it were known: one more token, one more position, a block more if the
-last is full. When its tokens are read, a step later, ``update_launched`` puts each in its pending token's place
-and does what ``update`` does; a sequence that finished meanwhile gets nothing. A block is indexed in the prefix
-cache once every token in it is known.
+A step is accounted for in two halves, whichever order the engine's loop makes its calls in. When it is launched,
+``launched`` counts its tokens (its guesses too) as computed and gives each sequence that samples a *pending* token, a
+placeholder for the token still on the device, so that the next step can be scheduled as if it were known: one more
+token, one more position, a block more if the last is full. When it is read, ``postprocess`` puts each run in its
+pending token's place, takes back the guesses verification rejected, hands the run to the output processor
+(``output_processor.py``: where it ends the sequence; the text is the API process's), appends what it kept, and
+finishes the sequences that ended; a sequence that finished meanwhile gets nothing. A block is indexed in the prefix
+cache once every token in it is known. The scheduler is the only one that changes a sequence: the engine's step is
+schedule, launch, read, postprocess.
 """
 
 from __future__ import annotations
@@ -80,6 +77,8 @@ class Sampled:
     token_ids: list[int]  # its run: the accepted guesses and one token of the model's (none: a mid-prompt chunk)
     logprobs: list[TokenLogprobs | None]  # one per token: None where the request did not ask
     prompt_logprobs: list[TokenLogprobs] | None = None  # echo: those of the prompt tokens this step's chunk scored
+    proposed: int = 0  # guesses the step checked for it (``token_ids`` holds those it kept, then one token)
+    reserved: int = 0  # room the step reserved for its guesses (the proposer may have had none)
 
 
 class Scheduler:
@@ -121,8 +120,8 @@ class Scheduler:
     def schedule(self) -> Batch:
         """The next step: one token for every decoding sequence, then prompt chunks, oldest first, within the budget.
 
-        Sets each scheduled sequence's ``num_scheduled_tokens``; ``update`` adds them to its computed tokens once
-        the step has run."""
+        Sets each scheduled sequence's ``num_scheduled_tokens``; ``launched`` adds them to its computed tokens once
+        the step is on the device."""
         assert all(seq.num_scheduled_tokens == 0 for seq in self.running), "the last step was not accounted for"
         preemptions = self.num_preemptions
         ### BEGIN SOLUTION 6.1
@@ -253,6 +252,8 @@ class Scheduler:
     def _count_hit(self, seq: Sequence, num_cached_tokens: int) -> None:
         """Start the admitted ``seq`` after its cached tokens, and count the lookup (in tokens, as vLLM does)."""
         seq.num_computed_tokens = num_cached_tokens  # the step computes only the rest
+        if seq.needs_prompt_logprobs:  # echo: scored from its first chunk on (after a preemption, over again)
+            seq.prompt_logprobs = []
         if not seq.output_ids:  # its first admission: what usage reports as cached prompt tokens
             seq.num_cached_tokens = num_cached_tokens
         self.prefix_cache_queries += seq.num_tokens
@@ -280,26 +281,46 @@ class Scheduler:
             seq.draft_ids, seq.draft_probs = proposal.token_ids, proposal.probs
             seq.num_scheduled_tokens = 1 + len(proposal.token_ids)
 
-    # --- after the step ---------------------------------------------------------------------
-    def update(self, batch: Batch, sampled: list[Sampled], clock: StepClock | None = None) -> list[RequestOutput]:
-        """The step has run: every sequence of ``batch`` has this step's tokens in the cache, and ``sampled[i]`` is
-        what was chosen for ``batch.seqs[i]``: the run verification kept (its accepted guesses and one token of
-        the model's own), nothing for a chunk that ends part-way through its prompt. Count the computed tokens
-        (rejected guesses are not), index the blocks they filled, start the other samples of a request whose
-        prompt is now cached, have the output processor read each run (where the sequence ends), append what it
-        kept, finish the sequences that ended (freeing their blocks), and return the output of every sequence that
-        has news. A failure in one sequence's own work fails that sequence alone. ``clock`` times it all as
-        ``update`` (detokenizing is the API process's, off this loop)."""
+    # --- after the step: launched, then read ------------------------------------------------
+    def launched(self, batch: Batch, sampling: list[Sequence]) -> None:
+        """``batch`` is on the device's queue. Count its tokens as computed now, its guesses too (``postprocess`` takes
+        back those rejected): the next step, which may be scheduled before this one's tokens are read, must see them
+        so. Index the blocks they filled whose tokens the host knows, start the other samples of a request whose
+        prompt is now cached, and give each of ``sampling`` (the sequences the step samples for, in its order) a
+        *pending* token: its row in the step's sampled tokens, a placeholder until the step is read."""
+        for seq in batch.seqs:
+            before = min(seq.num_computed_tokens, seq.num_tokens - len(seq.pending_rows))
+            seq.num_computed_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            seq.num_lookahead_slots, seq.draft_ids, seq.draft_probs = 0, [], None  # the step holds its own guesses
+            self._index_known(seq, before, [])
+            if seq.forks and seq.num_computed_tokens == seq.num_tokens:  # its prompt is cached: the other samples start
+                self._fork(seq)
+        for row, seq in enumerate(sampling):
+            seq.pending_rows.append(row)
+
+    def postprocess(self, batch: Batch, sampled: list[Sampled], clock: StepClock | None = None) -> list[RequestOutput]:
+        """The step has been read: ``sampled[i]`` is what it chose for ``batch.seqs[i]``: the run verification kept
+        (its accepted guesses and one token of the model's own), nothing for a chunk that ends part-way through its
+        prompt. Each sequence still here takes its run in place of its pending token: the rejected guesses are no
+        longer computed, the blocks it completes are indexed, the output processor reads it (where the sequence
+        ends), what it kept is appended, and a sequence that ended is finished (its blocks freed). A sequence that
+        finished meanwhile (it ended in the step before, or its client left) gets nothing: its token was computed for
+        a sequence that no longer exists, and is dropped with it. A failure in one sequence's own work fails that
+        sequence alone. ``clock`` times it all as ``update`` (detokenizing is the API process's, off this loop)."""
         clock = clock or StepClock()
         outputs = []
         for seq, news in zip(batch.seqs, sampled, strict=True):
+            ### BEGIN SOLUTION 10.3
+            if seq.status is SequenceStatus.FINISHED:
+                continue  # never streamed: it ended before this step's news
             if news.prompt_logprobs is not None:  # echo: this chunk's part of the prompt's logprobs
-                if seq.num_computed_tokens == 0:  # its first chunk (again, if it was preempted): start over
-                    seq.prompt_logprobs = []
                 seq.prompt_logprobs += news.prompt_logprobs
-            self._advance(seq, news.token_ids[:-1])
             if not news.token_ids:
                 continue  # a mid-prompt chunk: nothing to say yet
+            seq.pending_rows.pop(0)
+            self._settle(seq, news)
+            ### END SOLUTION
             try:
                 outputs.append(self._append(seq, news))
             except Exception as exc:
@@ -307,40 +328,29 @@ class Scheduler:
         clock.lap("update")
         return outputs
 
-    def _advance(self, seq: Sequence, accepted: list[int]) -> None:
-        """This step's tokens of ``seq`` are in the cache now, but for its rejected guesses: count them, index the
-        blocks they filled, and start the request's other samples once its prompt is cached.
-
-        ``accepted`` are the guesses verification kept: they count as computed, and the positions after them
-        hold rejected K/V that the next steps overwrite."""
-        block_size, before = self.block_manager.block_size, seq.num_computed_tokens
-        rejected = len(seq.draft_ids) - len(accepted)
-        seq.num_computed_tokens += seq.num_scheduled_tokens - rejected
-        seq.num_scheduled_tokens = 0
-        if seq.draft_ids:
-            self._record_verification(seq, len(accepted))
-            seq.draft_ids, seq.draft_probs = [], None
+    def _settle(self, seq: Sequence, news: Sampled) -> None:
+        """``news`` is the run ``seq`` takes in place of its pending token: take back its rejected guesses (counted as
+        computed at launch; the positions after the run hold K/V that the next steps overwrite), record how its
+        guesses did, and index the blocks its known, computed tokens now fill."""
+        accepted = len(news.token_ids) - 1
+        if news.proposed:
+            seq.num_computed_tokens = max(0, seq.num_computed_tokens - (news.proposed - accepted))
+            self._record_verification(seq, news.proposed, accepted)
             # Neither cache may count a rejected token as computed; the next token's slot is kept.
             seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
             self.block_manager.shrink(seq.block_table, seq.num_computed_tokens + 1)
-        elif seq.num_lookahead_slots:
+        elif news.reserved:
             # Room was reserved and the proposer had nothing (its text does not recur): as good as a first guess
             # rejected. Counted so, its rate falls and the policy stops reserving room (and calling the proposer)
             # for it, until the drift brings it back; left out, the rate would drift *up* at every such step.
             seq.speculation.record(1, 0)
         else:
             seq.speculation.record(0, 0)  # a step without guesses: its acceptance rate drifts back to the prior
-        seq.num_lookahead_slots = 0
-        filled = seq.num_computed_tokens // block_size > before // block_size
-        if filled:  # a block is full (a chunk may fill several; a decode does once every block_size steps): index it
-            # Only computed tokens are indexed, and those are the accepted ones: no block with a rejected guess.
-            self.block_manager.cache_full_blocks(seq.token_ids + accepted, seq.block_table, seq.num_computed_tokens)
-        if seq.forks and seq.num_computed_tokens == seq.num_tokens:  # its prompt is cached: the other samples start
-            self._fork(seq)
+        known = len(seq.prompt_ids) + len(seq.output_ids)  # before the run is appended
+        self._index_known(seq, min(seq.num_computed_tokens, known), news.token_ids)
 
-    def _record_verification(self, seq: Sequence, accepted: int) -> None:
+    def _record_verification(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """Count a verification: the sequence's own acceptance (what its next guesses are worth), and the engine's."""
-        proposed = len(seq.draft_ids)
         seq.speculation.record(proposed, accepted)
         stats = self.speculation
         self.speculation = SpeculationStats(stats.proposed + proposed, stats.accepted + accepted, stats.runs + 1)
@@ -350,48 +360,6 @@ class Scheduler:
         for fork in reversed(seq.forks):
             self.add(fork, first=True)
         seq.forks = []
-
-    # --- overlap: a launched step, and its tokens read later --------------------------------------
-    def launched(self, batch: Batch) -> None:
-        """``batch`` is launched, and its tokens will be read only after the next step is launched. Count its tokens
-        as computed now (the next step's sequences must see them so), index the blocks they filled whose tokens the
-        host knows, start the other samples of a request whose prompt is now cached, and give every sequence that
-        samples a pending token: its row in the step's sampled tokens (their order in the batch)."""
-        sampling = [seq for seq in batch.seqs if seq.samples_next_token]
-        for seq in batch.seqs:
-            assert not seq.num_lookahead_slots, "a step with guesses cannot overlap: its proposer reads the last token"
-            before = min(seq.num_computed_tokens, seq.num_tokens - len(seq.pending_rows))
-            seq.num_computed_tokens += seq.num_scheduled_tokens
-            seq.num_scheduled_tokens = 0
-            seq.speculation.record(0, 0)  # a step without guesses, as in ``_advance``
-            self._index_known(seq, before, [])
-            if seq.forks and seq.num_computed_tokens == seq.num_tokens:  # its prompt is cached: the other samples start
-                self._fork(seq)
-        for row, seq in enumerate(sampling):
-            seq.pending_rows.append(row)
-
-    def update_launched(self, sampling: list[Sequence], token_ids: list[int], logprobs: list[TokenLogprobs | None],
-                        clock: StepClock | None = None) -> list[RequestOutput]:
-        """A launched step's tokens have been read: ``token_ids[i]`` is ``sampling[i]``'s (``launched``'s order). Each
-        sequence still here takes it in place of its oldest pending token: the blocks it completes are indexed, and
-        the output processor reads it (whether the sequence ends) as in ``update``. A sequence that
-        finished meanwhile (it ended in the step before this one, or its client left) gets nothing: the token was
-        computed for a sequence that no longer exists, and is dropped with it."""
-        clock = clock or StepClock()
-        outputs = []
-        for seq, token_id, token_logprobs in zip(sampling, token_ids, logprobs, strict=True):
-            ### BEGIN SOLUTION 10.3
-            if seq.status is SequenceStatus.FINISHED:
-                continue  # never streamed: it ended before this token
-            seq.pending_rows.pop(0)
-            self._index_known(seq, min(seq.num_computed_tokens, seq.num_tokens - len(seq.pending_rows)), [token_id])
-            ### END SOLUTION
-            try:
-                outputs.append(self._append(seq, Sampled([token_id], [token_logprobs])))
-            except Exception as exc:
-                outputs.append(self.fail(seq, exc))
-        clock.lap("update")
-        return outputs
 
     def _index_known(self, seq: Sequence, before: int, news: list[int]) -> None:
         """Index the blocks that are full of tokens both computed and known to the host (its prompt, its output and

@@ -64,6 +64,10 @@ class StepResult:
     num_tokens: int = 0  # tokens the forward pass ran (0: nothing was scheduled)
     num_decoding: int = 0  # sequences that decoded: each waited for this step between two of its tokens
     accepted_lengths: list[int] = field(default_factory=list)  # each verification's: the guesses it kept
+    # The step whose tokens this turn read (from stage 10 on, the one launched a turn before): the device's time for it
+    # (CUDA events, or the device thread's clock: never the host's launch), and the sequences that decoded in it.
+    device_seconds: float = 0.0
+    device_decoding: int = 0
 
 
 class SequenceStatus(Enum):

@@ -163,6 +163,8 @@ BUSY_METRIC = "llm_engine_busy_seconds_total"  # the course's stages (02 on): se
 PREFIX_QUERIES_METRICS = ("llm_prefix_cache_queries_total", "vllm:prefix_cache_queries_total")
 PREFIX_HITS_METRICS = ("llm_prefix_cache_hits_total", "vllm:prefix_cache_hits_total")
 PHASE_METRIC = "llm_step_phase_seconds"  # the course's batching stages (04 on): a histogram, one series per phase
+OVERLAPPED_METRIC = "llm_overlapped_steps_total"  # steps launched before the one in flight was read (10 on)
+SYNC_METRIC = "llm_sync_steps_total"  # steps that waited for the one before, by reason (10 on)
 DECODE_STEP_METRIC = "llm_decode_step_seconds"  # the forward pass each decoding sequence waited for (04 on)
 SERVER_ITL_METRIC = "llm_inter_token_latency_seconds"  # the course's stages (02 on): ITL as the server hands over
 
@@ -308,7 +310,7 @@ def token_time(phases: StepPhases | None, itl: dict[str, float] | None) -> dict[
     server does not count its phases, or nothing streamed)."""
     if phases is None or not phases.steps:
         return {"steps": None, "step_phases_ms": None, "decode_step_ms": None, "server_itl_ms": None,
-                "server_share": None, "client_share": None}
+                "server_share": None, "client_share": None, "overlapped_steps": None, "synchronous_steps": None}
     step = phases.decode_step_s
 
     def share(itl_s: float | None) -> float | None:
@@ -317,7 +319,8 @@ def token_time(phases: StepPhases | None, itl: dict[str, float] | None) -> dict[
     return {"steps": phases.steps, "step_phases_ms": {name: 1000 * s for name, s in phases.mean_s.items()},
             "decode_step_ms": None if step is None else 1000 * step,
             "server_itl_ms": None if phases.server_itl_s is None else 1000 * phases.server_itl_s,
-            "server_share": share(phases.server_itl_s), "client_share": share(itl["mean"] if itl else None)}
+            "server_share": share(phases.server_itl_s), "client_share": share(itl["mean"] if itl else None),
+            "overlapped_steps": phases.overlapped, "synchronous_steps": phases.synchronous}
 
 
 # --- one request -------------------------------------------------------------------------------
@@ -453,6 +456,8 @@ class Counters:
     phases: dict[str, tuple[float, float]] | None = None  # each step phase's (count, seconds) (04 on)
     decode_steps: tuple[float, float] | None = None  # llm_decode_step_seconds' (count, seconds) (04 on)
     server_itl: tuple[float, float] | None = None  # llm_inter_token_latency_seconds' (count, seconds) (02 on)
+    overlapped: float | None = None  # steps that overlapped the one before (10 on)
+    synchronous: dict[str, float] | None = None  # steps that waited for it, by reason (10 on)
 
     @classmethod
     def parse(cls, metrics_text: str) -> Counters:
@@ -460,7 +465,16 @@ class Counters:
                    prefix_queries=sum_series(metrics_text, PREFIX_QUERIES_METRICS),
                    prefix_hits=sum_series(metrics_text, PREFIX_HITS_METRICS),
                    phases=parse_phases(metrics_text), decode_steps=parse_count_sum(metrics_text, DECODE_STEP_METRIC),
-                   server_itl=parse_count_sum(metrics_text, SERVER_ITL_METRIC))
+                   server_itl=parse_count_sum(metrics_text, SERVER_ITL_METRIC),
+                   overlapped=sum_series(metrics_text, (OVERLAPPED_METRIC,)),
+                   synchronous=parse_labelled(metrics_text, SYNC_METRIC, "reason"))
+
+
+def parse_labelled(metrics_text: str, counter: str, label: str) -> dict[str, float] | None:
+    """A counter's value per value of ``label``, from a Prometheus text page; None without it."""
+    values = {line.split(f'{label}="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+              for line in metrics_text.splitlines() if line.startswith(counter + "{") and f'{label}="' in line}
+    return values or None
 
 
 def parse_count_sum(metrics_text: str, histogram: str) -> tuple[float, float] | None:
@@ -489,6 +503,8 @@ class StepPhases:
     mean_s: dict[str, float]
     decode_step_s: float | None = None
     server_itl_s: float | None = None
+    overlapped: int | None = None  # steps launched while the one before was in flight (10 on)
+    synchronous: dict[str, int] | None = None  # steps that waited for the one before, by reason (10 on)
 
 
 def step_phases_between(before: Counters, after: Counters) -> StepPhases | None:
@@ -502,7 +518,11 @@ def step_phases_between(before: Counters, after: Counters) -> StepPhases | None:
     return StepPhases(steps, {phase: (seconds - start.get(phase, (0, 0.0))[1]) / steps
                               for phase, (_, seconds) in end.items()},
                       mean_between(before.decode_steps, after.decode_steps),
-                      mean_between(before.server_itl, after.server_itl))
+                      mean_between(before.server_itl, after.server_itl),
+                      None if after.overlapped is None else round(after.overlapped - (before.overlapped or 0)),
+                      None if after.synchronous is None else
+                      {reason: round(n - (before.synchronous or {}).get(reason, 0))
+                       for reason, n in after.synchronous.items()})
 
 
 def mean_between(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:

@@ -330,11 +330,17 @@ def engine01(model_dir: Path):
 
 @contextmanager
 def serve_stage(folder: str, engine, limits: Limits | None = None, tracer: Tracer = NO_TRACE) -> Iterator[LiveServer]:
-    """A FastAPI stage (02 on) serving ``engine`` on a free port; ``server.engine`` is its AsyncEngine."""
+    """A FastAPI stage (02 on) serving ``engine`` on a free port; ``server.engine`` is its AsyncEngine (from stage 10
+    on, whose core is a process of its own, the client of that core's loop run on a thread: ``tests/cores.py``)."""
+    from .cores import core_on_a_thread
     from .servers import start_fastapi
+    from .stages import has
 
     steps_traced = {"tracer": tracer} if folder >= "04" else {}  # a batching stage traces its steps too
-    async_engine = stage(folder, "async_engine").AsyncEngine(engine, **steps_traced)
+    if has(folder, "overlap"):  # the lesson that moved the engine's loop into a core process of its own
+        async_engine = core_on_a_thread(folder, engine, **steps_traced)
+    else:
+        async_engine = stage(folder, "async_engine").AsyncEngine(engine, **steps_traced)
     app = stage(folder, "server").create_app(async_engine, "smollm2-135m-instruct", limits, tracer)
     with start_fastapi(app) as server:
         server.engine = async_engine

@@ -1,5 +1,6 @@
 """Driving a scheduler the way its engine does, without a model: ``schedule``, then ``update`` with a token for
-every sequence whose step reaches its last one. Up to stage 09 the sequences need a detokenizer; these tests count
+every sequence whose step reaches its last one (from stage 10 on, ``launched`` then ``postprocess``, see
+``finish_step``). Up to stage 09 the sequences need a detokenizer; these tests count
 tokens, not words."""
 
 from __future__ import annotations
@@ -39,5 +40,21 @@ def run(scheduler: Any, scheduler_module: Any, batch: Any, token_id: int = 0) ->
     sampling = [seq for seq in batch.seqs if reaches_its_last_token(seq)]
     sampled = [scheduler_module.Sampled([token_id], [None]) if seq in sampling else scheduler_module.Sampled([], [])
                for seq in batch.seqs]
-    scheduler.update(batch, sampled)
+    finish_step(scheduler, batch, sampled)
     return [seq.request_id for seq in sampling]
+
+
+def finish_step(scheduler: Any, batch: Any, sampled: list[Any]) -> None:
+    """The step has run and ``sampled[i]`` is what it chose for ``batch.seqs[i]``. Up to stage 09: ``update``. From
+    stage 10 on, the engine's two calls: ``launched`` (the step is on the device: its tokens count as computed, each
+    sequence that samples gets a pending token), then ``postprocess`` with what was read, each run carrying the
+    guesses it checked and the room it had (the step's own record: ``launched`` clears them from the sequence)."""
+    if not hasattr(scheduler, "postprocess"):
+        scheduler.update(batch, sampled)
+        return
+    sampling = [seq for seq in batch.seqs if reaches_its_last_token(seq)]
+    sampled = [type(news)(news.token_ids, news.logprobs, news.prompt_logprobs, len(getattr(seq, "draft_ids", [])),
+                          seq.num_lookahead_slots) if news.token_ids else news
+               for seq, news in zip(batch.seqs, sampled, strict=True)]
+    scheduler.launched(batch, sampling)
+    scheduler.postprocess(batch, sampled)

@@ -10,22 +10,29 @@ before, run for this stage in the every-stage tests.)"""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import os
 import signal
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
 from .conftest import engine_config, make_engine, serve_stage, stage
+from .cores import core_on_a_thread
 from .prompts import CHAT_PROMPTS, TEXT_PROMPTS
 from .servers import start_fastapi
 
 FOLDER = "10_overlap_scheduling"
 async_engine_module = stage(FOLDER, "async_engine")
-core_module = stage(FOLDER, "core")
+executor = stage(FOLDER, "executor")
+messages_module = stage(FOLDER, "messages")
 model_runner = stage(FOLDER, "model_runner")
 sampler = stage(FOLDER, "sampler")
 sequence_module = stage(FOLDER, "sequence")
@@ -37,9 +44,11 @@ GREEDY = sampler.SamplingParams(max_tokens=24, temperature=0.0)
 @pytest.fixture(scope="module")
 def engines(model_dir):
     """(overlapping, synchronous) engines of this stage without speculation (whose steps never overlap), on a pool
-    small enough that a long batch preempts."""
+    small enough that a long batch preempts. The overlapping one runs its steps on the CPU's device thread (the
+    stand-in for a stream), where a launched step is still running when ``launch`` returns, as on a GPU."""
     config = {"speculative": "off", "kv_cache_mb": 64, "max_num_batched_tokens": 64}
-    return make_engine(FOLDER, model_dir, **config), make_engine(FOLDER, model_dir, disable_overlap=True, **config)
+    return (make_engine(FOLDER, model_dir, device_thread="on", **config),
+            make_engine(FOLDER, model_dir, disable_overlap=True, **config))
 
 
 def prompts_of(engine) -> list[list[int]]:
@@ -81,18 +90,84 @@ def test_a_sequences_placeholder_is_the_token_its_row_will_hold():
     assert resolved.tolist() == [4, 106]
 
 
+# --- the read that waits for its own step (exercise 10.4) -------------------------------------------------------
+class FakeEvent:
+    """``torch.cuda.Event`` without a GPU: records when it was recorded and waited on, and times 2 ms between two."""
+
+    log: list[str] = []
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.timing = enable_timing
+
+    def record(self) -> None:
+        FakeEvent.log.append("record")
+
+    def synchronize(self) -> None:
+        FakeEvent.log.append("synchronize")
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        return 2.0  # ms
+
+
+@pytest.mark.exercise("10.4")
+def test_on_cuda_a_read_waits_on_its_steps_event_and_never_on_the_whole_device(monkeypatch):
+    """The CUDA path, on a CPU: the step's work is queued, then an event is recorded behind it; ``wait`` synchronizes
+    on that event alone (``torch.cuda.synchronize`` would wait for every step launched since), and reads the device's
+    time for the step from its two timing events."""
+    monkeypatch.setattr(executor.torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(executor.torch.cuda, "synchronize", lambda *a: pytest.fail("a read waited for the device"))
+    FakeEvent.log = []
+    device = executor.DeviceQueue(torch.device("cuda"), thread=True)  # CUDA's stream needs no thread: none starts
+    assert device.asynchronous and not device.thread
+    work = device.submit(lambda: executor.DeviceOutput(None, None, host=[torch.tensor([7])]))
+    assert FakeEvent.log == ["record", "record", "record"]  # start, end, and done: behind the copy to the host
+    output = work.wait()
+    assert FakeEvent.log[3:] == ["synchronize"] and output.host[0].tolist() == [7]
+    assert output.seconds == pytest.approx(0.002)
+
+
+@pytest.mark.exercise("10.4")
+def test_on_the_device_thread_step_ns_read_returns_while_step_n_plus_1_still_runs():
+    device = executor.DeviceQueue(torch.device("cpu"), thread=True)
+    release = threading.Event()
+    first = device.submit(lambda: executor.DeviceOutput(None, None, host=[torch.tensor([1])]))
+    second = device.submit(lambda: (release.wait(10), executor.DeviceOutput(None, None))[1])  # holds the queue
+    try:
+        assert first.wait().host[0].tolist() == [1]  # step N, read while step N + 1 has not finished
+        assert not release.is_set()
+    finally:
+        release.set()
+    assert second.wait().seconds > 0
+    device.close()
+
+
+@pytest.mark.exercise("10.4")
+def test_a_steps_error_is_raised_by_its_own_read_and_the_next_step_still_runs():
+    device = executor.DeviceQueue(torch.device("cpu"), thread=True)
+
+    def fails() -> executor.DeviceOutput:
+        raise RuntimeError("the step failed on the device")
+
+    failed = device.submit(fails)
+    after = device.submit(lambda: executor.DeviceOutput(None, None, host=[torch.tensor([2])]))
+    with pytest.raises(RuntimeError, match="failed on the device"):
+        failed.wait()
+    assert after.wait().host[0].tolist() == [2]
+    device.close()
+
+
 # --- the loop and its carry (exercise 10.1) ----------------------------------------------------------------------
 @pytest.mark.exercise("10.1")
 def test_each_turn_launches_the_next_step_before_it_processes_the_one_in_flight(engines, monkeypatch):
     engine, _ = engines
     events: list[str] = []
-    execute, update = engine.runner.execute, engine.scheduler.update_launched
-    monkeypatch.setattr(engine.runner, "execute", lambda *a, **k: (events.append("launch"), execute(*a, **k))[1])
-    def process(sampling, *args, **kwargs):
-        events.append(f"process {len(sampling)}")
-        return update(sampling, *args, **kwargs)
+    launch, postprocess = engine.executor.launch, engine.scheduler.postprocess
+    monkeypatch.setattr(engine.executor, "launch", lambda *a, **k: (events.append("launch"), launch(*a, **k))[1])
+    def process(batch, *args, **kwargs):
+        events.append(f"process {len(batch.seqs)}")
+        return postprocess(batch, *args, **kwargs)
 
-    monkeypatch.setattr(engine.scheduler, "update_launched", process)
+    monkeypatch.setattr(engine.scheduler, "postprocess", process)
     engine.add_request("order", prompts_of(engine)[0], sampler.SamplingParams(max_tokens=4, temperature=0.0))
     turns = run_turns(engine)
     # The prefill is launched with nothing in flight; each decode is launched before the step before it is read; the
@@ -100,6 +175,52 @@ def test_each_turn_launches_the_next_step_before_it_processes_the_one_in_flight(
     assert events == ["launch", "launch", "process 1", "launch", "process 1", "launch", "process 1", "process 1"]
     assert [len(turn.outputs) for turn in turns] == [0, 1, 1, 1, 1]
     assert engine.stats().overlap.synchronous == {}
+
+
+def test_step_ns_news_reaches_the_caller_while_step_n_plus_1s_forward_pass_still_runs(engines, monkeypatch):
+    """The CPU's stand-in for a stream (the device thread): a turn launches step N + 1 and returns step N's outputs
+    without waiting for N + 1. With a forward pass made slow (0.3 s more), each output but the last leaves before the
+    forward pass launched in its turn ends. (On a loop whose launch computes the step, each turn returns only after
+    it: the synchronous timeline.)"""
+    engine, _ = engines
+    assert engine.executor.queue.asynchronous
+    ends: list[float] = []
+    execute = engine.runner.execute
+
+    def slow(*args, **kwargs):
+        out = execute(*args, **kwargs)
+        time.sleep(0.3)
+        ends.append(time.perf_counter())
+        return out
+
+    monkeypatch.setattr(engine.runner, "execute", slow)
+    engine.add_request("slow", prompts_of(engine)[0], sampler.SamplingParams(max_tokens=4, temperature=0.0))
+    returned = []
+    while engine.has_unfinished():
+        if engine.step().outputs:
+            returned.append(time.perf_counter())
+    assert len(returned) == 4 and len(ends) == 4  # one prefill, three decodes; each output in its own turn
+    # Output i is step i's; it leaves in the turn that launched step i + 1, before that step's forward pass ends.
+    assert all(left < ended for left, ended in zip(returned[:-1], ends[1:], strict=True)), (returned, ends)
+
+
+@pytest.mark.exercise("10.1")
+def test_a_launch_that_fails_is_carried_and_fails_its_sequences_a_turn_later(engines, monkeypatch):
+    engine, _ = engines
+    prepare, calls = engine.runner.prepare, []
+
+    def failing(batch):
+        calls.append(len(batch.seqs))
+        if len(calls) == 3:  # the second decode
+            raise RuntimeError("injected launch failure")
+        return prepare(batch)
+
+    monkeypatch.setattr(engine.runner, "prepare", failing)
+    engine.add_request("fails", prompts_of(engine)[0], GREEDY)
+    outputs = [output for turn in run_turns(engine) for output in turn.outputs]
+    assert [len(output.token_ids) for output in outputs[:-1]] == [1, 1]  # the prefill's token, the first decode's
+    assert "injected" in str(outputs[-1].error)  # the failed step's own error, read a turn later
+    assert engine.stats().kv_blocks.used == 0 and engine.in_flight is None
 
 
 @pytest.mark.exercise("10.1")
@@ -119,7 +240,8 @@ def test_preemptions_and_chunks_under_overlap_keep_the_tokens(model_dir, engines
     _, synchronous = engines
     # 8 MiB: 11 blocks of 16 tokens for six sequences of 20-40 tokens: the newest give their blocks back, with a
     # step in flight, and are recomputed.
-    small = make_engine(FOLDER, model_dir, speculative="off", kv_cache_mb=8, max_num_batched_tokens=64)
+    small = make_engine(FOLDER, model_dir, speculative="off", kv_cache_mb=8, max_num_batched_tokens=64,
+                        device_thread="on")
     prompts = prompts_of(small)
     assert small.generate_offline(prompts, GREEDY) == synchronous.generate_offline(prompts, GREEDY)
     stats = small.stats()
@@ -154,7 +276,7 @@ def test_a_stop_string_ends_a_sample_in_the_api_process_which_tells_the_core_to_
     prompt = prompts_of(engine)[0]
     [full] = synchronous.generate_offline([prompt], GREEDY)
     stop = engine.tokenizer.decode(full[5:7])  # a stop string that ends the answer a few tokens in
-    client = async_engine_module.AsyncEngine(engine)
+    client = core_on_a_thread(FOLDER, engine)
     sent = []
     send = client._send
     monkeypatch.setattr(client, "_send", lambda message: (sent.append(message), send(message)))
@@ -169,7 +291,7 @@ def test_a_stop_string_ends_a_sample_in_the_api_process_which_tells_the_core_to_
             assert sample[-1].finish_reason == "stop" and sample[-1].completion_tokens == len(tokens)
             assert tokens == full[:len(tokens)] and len(tokens) <= 7
             assert stop not in text and (text + stop) in engine.tokenizer.decode(full)
-        aborts = [message for message in sent if isinstance(message, core_module.AbortRequest)]
+        aborts = [message for message in sent if isinstance(message, messages_module.AbortRequest)]
         assert sorted(message.index for message in aborts) == [0, 1]  # each sample dropped alone
         deadline = time.monotonic() + 10
         while client.stats().kv_blocks.used or client.stats().running:
@@ -177,6 +299,20 @@ def test_a_stop_string_ends_a_sample_in_the_api_process_which_tells_the_core_to_
             time.sleep(0.02)
     finally:
         client.stop()
+
+
+@pytest.mark.exercise("10.3")
+def test_the_blocks_a_decode_fills_are_indexed_once_their_tokens_are_known(engines):
+    """Every decode's input is a token still on the device, so the block it completes can be indexed only when that
+    token is read, in ``postprocess``. A request's prompt and answer then find every full block of the first's."""
+    engine, _ = engines
+    prompt = prompts_of(engine)[0]
+    params = sampler.SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    [answer] = engine.generate_offline([prompt], params)
+    tokens = prompt + answer
+    computed = len(tokens) - 1  # the last token was sampled, never run
+    assert computed // 16 > len(prompt) // 16 + 1  # the decodes filled blocks of their own
+    assert len(engine.block_manager.match(tokens)) == computed // 16
 
 
 @pytest.mark.exercise("10.3")
@@ -203,7 +339,7 @@ def test_an_abort_while_its_step_is_in_flight_frees_its_blocks_once(engines, mon
 def test_a_sequence_never_runs_past_max_tokens_while_its_last_token_is_on_the_device(model_dir):
     # 1 MiB: one block of 16 tokens. A prompt of 10 and 6 new tokens fill it exactly: a step for a 17th token would
     # need a second block, and the sequence would preempt itself.
-    tiny = make_engine(FOLDER, model_dir, speculative="off", kv_cache_mb=1)
+    tiny = make_engine(FOLDER, model_dir, speculative="off", kv_cache_mb=1, device_thread="on")
     assert tiny.kv_capacity_tokens == 16
     prompt = tiny.encode("The history of the Roman Empire is long and full of wars and emperors")[:10]
     assert len(prompt) == 10
@@ -219,8 +355,7 @@ def test_a_sequence_never_runs_past_max_tokens_while_its_last_token_is_on_the_de
 @pytest.mark.parametrize(("params", "reason"), [
     ({"frequency_penalty": 0.5}, "penalties"),
     ({"logit_bias": {11: 2.0}}, "penalties"),
-    ({"prompt_logprobs": 1}, "prompt_logprobs"),
-], ids=["frequency", "logit-bias", "prompt-logprobs"])
+], ids=["frequency", "logit-bias"])
 def test_a_step_that_needs_a_token_on_the_host_runs_synchronously_and_says_why(engines, params, reason):
     overlapping, synchronous = engines
     prompts = prompts_of(overlapping)[:2]
@@ -231,10 +366,36 @@ def test_a_step_that_needs_a_token_on_the_host_runs_synchronously_and_says_why(e
     assert overlapping.stats().overlap.synchronous.get(reason, 0) > before
 
 
+def answer(engine, prompt: list[int], params) -> list:
+    """Every output of one request, stepped to its end."""
+    engine.add_request("answer", prompt, params)
+    return [output for turn in run_turns(engine) for output in turn.outputs]
+
+
+def test_logprobs_and_a_prompts_logprobs_are_scored_on_the_device_and_overlap(engines):
+    """Echo and logprobs need nothing the host lacks: the prompt's tokens are known at launch, and the chosen token's
+    logprob is taken on the device beside it. Their steps overlap, and score what the synchronous loop scores."""
+    overlapping, synchronous = engines
+    params = sampler.SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, prompt_logprobs=2)
+    prompt = prompts_of(overlapping)[0]
+    before = overlapping.stats().overlap
+    overlapped, reference = answer(overlapping, prompt, params), answer(synchronous, prompt, params)
+    after = overlapping.stats().overlap
+    assert after.synchronous == before.synchronous and after.overlapped - before.overlapped >= 5
+    assert [o.token_ids for o in overlapped] == [o.token_ids for o in reference]
+    scored = [(o.prompt_logprobs, o.logprobs) for o in overlapped]
+    assert scored[0][0] is not None and len(scored[0][0]) == len(prompt) - 1  # the first output has the prompt's
+    for (prompt_logprobs, logprobs), (want_prompt, want) in zip(scored, [(o.prompt_logprobs, o.logprobs)
+                                                                          for o in reference], strict=True):
+        for got, expected in zip((prompt_logprobs or []) + logprobs, (want_prompt or []) + want, strict=True):
+            assert got.token_id == expected.token_id and [t for t, _ in got.top] == [t for t, _ in expected.top]
+            assert got.logprob == pytest.approx(expected.logprob, abs=1e-4)
+
+
 def test_steps_with_guesses_run_synchronously_and_give_the_same_tokens(model_dir, engines):
     _, synchronous = engines
     guessing = make_engine(FOLDER, model_dir, speculative="ngram", speculative_policy="always", kv_cache_mb=64,
-                           max_num_batched_tokens=64)
+                           max_num_batched_tokens=64, device_thread="on")
     prompts = [guessing.encode("1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6,"), *prompts_of(guessing)[:2]]
     assert guessing.generate_offline(prompts, GREEDY) == synchronous.generate_offline(prompts, GREEDY)
     stats = guessing.stats()
@@ -349,3 +510,32 @@ def test_a_core_that_cannot_start_says_why_and_a_core_whose_api_process_left_exi
     engine._conn.close()  # as if the API process had been killed: the core reads the end of its pipe
     engine._core.join(timeout=30)
     assert engine._core.exitcode == 0
+
+
+IMPORT_THE_API_PROCESS = """
+import importlib, importlib.util, sys
+package, init = sys.argv[1:]
+spec = importlib.util.spec_from_file_location(package, init)  # the stage's folder, as tests/conftest.py loads it
+sys.modules[package] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sys.modules[package])
+for module in ("__main__", "server", "async_engine"):  # what `python -m` of the stage, serving, imports
+    importlib.import_module(package + "." + module)
+print(sorted(name for name in sys.modules if name.startswith(package + ".")))
+"""
+CORE_MODULES = ("engine", "core", "scheduler", "model_runner", "executor")  # the core process's alone
+
+
+def test_the_api_process_imports_no_engine():
+    """The API process (``__main__.py``, ``server.py``, ``async_engine.py``) parses, tokenizes, detokenizes and
+    streams: it must not load the engine, its scheduler or its model runner, which are the core process's.
+    Unpickling a message imports the module that defines its class, so the messages live in ``messages.py``, which
+    imports none of them; the core's entry point imports ``core.py`` in the child alone; the demo and a worker import
+    the engine when they run. Checked in a fresh process (this one has loaded them all)."""
+    init = Path(async_engine_module.__file__).parent / "__init__.py"
+    repo = Path(__file__).resolve().parent.parent  # for `common`
+    done = subprocess.run([sys.executable, "-c", IMPORT_THE_API_PROCESS, FOLDER, str(init)], capture_output=True,
+                          text=True, timeout=300, cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    loaded = set(ast.literal_eval(done.stdout.strip().splitlines()[-1]))
+    assert sorted({f"{FOLDER}.{name}" for name in CORE_MODULES} & loaded) == []
+    assert {f"{FOLDER}.server", f"{FOLDER}.messages"} <= loaded

@@ -790,7 +790,7 @@ class FakeHandle:
         self.bodies.append(json.loads(body))
 
         async def answer():
-            yield stage(FOLDER, "messages").ResponseStart(200, [("content-type", "application/json")], "r1")
+            yield stage(FOLDER, "gateway_messages").ResponseStart(200, [("content-type", "application/json")], "r1")
             yield b'{"choices": []}'
 
         return answer()
@@ -878,7 +878,7 @@ def engine_report(replica_id: str, generated: int, hits: int):
     metrics.generation_tokens.inc(generated)
     metrics.prefix_cache_queries.inc(2 * hits)
     metrics.prefix_cache_hits.inc(hits)
-    return stage(FOLDER, "messages").EngineReport(replica_id, list(metrics.registry.collect()))
+    return stage(FOLDER, "gateway_messages").EngineReport(replica_id, list(metrics.registry.collect()))
 
 
 def test_metrics_carry_each_replicas_engine_under_stage_09s_names(model_dir, controller):

@@ -107,8 +107,26 @@ def test_step_phases_from_metrics_pages():
     assert none.phases is None and loadgen.step_phases_between(none, none) is None
     assert loadgen.token_time(None, {"mean": 0.08}) == {"steps": None, "step_phases_ms": None, "decode_step_ms": None,
                                                          "server_itl_ms": None, "server_share": None,
-                                                         "client_share": None}
+                                                         "client_share": None, "overlapped_steps": None,
+                                                         "synchronous_steps": None}
     assert loadgen.token_time(loadgen.step_phases_between(after, after), None)["server_share"] is None
+    assert time["overlapped_steps"] is None  # a stage before 10 does not overlap
+
+
+def test_a_levels_overlapped_and_synchronous_steps_from_metrics_pages():
+    """Stage 10 on: how many of a level's steps overlapped the one before, and why the others waited, by reason."""
+    def page(steps: int, overlapped: int, speculation: int) -> str:
+        return (f'llm_step_phase_seconds_count{{phase="schedule"}} {steps}\n'
+                f'llm_step_phase_seconds_sum{{phase="schedule"}} {0.001 * steps}\n'
+                f"llm_overlapped_steps_total {overlapped}\n"
+                f"llm_overlapped_steps_created 1.7e9\n"
+                f'llm_sync_steps_total{{reason="speculation"}} {speculation}\n'
+                f'llm_sync_steps_total{{reason="penalties"}} 2.0\n'
+                f'llm_sync_steps_created{{reason="speculation"}} 1.7e9\n')
+
+    phases = loadgen.step_phases_between(loadgen.Counters.parse(page(10, 4, 5)), loadgen.Counters.parse(page(40, 30, 8)))
+    time = loadgen.token_time(phases, None)
+    assert time["overlapped_steps"] == 26 and time["synchronous_steps"] == {"speculation": 3, "penalties": 0}
 
 
 def test_loadgen_without_streaming_against_stage_01(server01):

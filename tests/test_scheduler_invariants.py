@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from .conftest import stage
-from .scheduling import no_text, reaches_its_last_token
+from .scheduling import finish_step, no_text, reaches_its_last_token
 from .stages import changed_stages_with, has
 
 BLOCK_SIZE = 16
@@ -78,7 +78,7 @@ class Driver:
         for q in batch.seqs:  # every scheduled token (a guess too) has its slot
             scheduled = q.num_scheduled_tokens if has(self.folder, "chunking") else q.num_new_tokens
             assert len(q.block_table) * BLOCK_SIZE >= q.num_computed_tokens + scheduled, "a token without a slot"
-        s.update(batch, [self.sampled(q) for q in batch.seqs])
+        finish_step(s, batch, [self.sampled(q) for q in batch.seqs])
         self.check_books()
 
     def check_budget(self, batch) -> None:
