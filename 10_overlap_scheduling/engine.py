@@ -312,8 +312,7 @@ class Engine:
 
     @property
     def overlaps(self) -> bool:
-        """Whether turns overlap: not with ``--disable-overlap``, nor where a launch computes the step before it returns
-        (a CPU without its device thread), where step N's news would wait for step N + 1's forward pass."""
+        """Not with ``--disable-overlap``, nor where launch computes the step (a CPU without its device thread)."""
         return not self.config.disable_overlap and self.executor.queue.asynchronous
 
     def _run(self, batch: Batch, clock: StepClock) -> StepResult:
@@ -321,7 +320,9 @@ class Engine:
         if not batch.seqs:
             return StepResult([])
         flight = self._launch(batch, None, clock)
-        return self._result(self._postprocess(flight, clock), flight)
+        outputs = self._postprocess(flight, clock)
+        self.measure_host(clock)  # what overlapping would have hidden: the price a guess pays for waiting
+        return self._result(outputs, flight)
 
     def _result(self, outputs: list[RequestOutput], launched: InFlight | None) -> StepResult:
         """The outputs of the step a turn read, the size of the step it launched, the device's time for the one read."""
@@ -332,15 +333,14 @@ class Engine:
                           device_decoding=read.kinds.count("decode") if read else 0)
 
     def _launch(self, batch: Batch, previous: InFlight | None, clock: StepClock) -> InFlight:
-        """Launch ``batch`` behind ``previous`` (the step in flight, whose tokens are its placeholders' values), and let
-        the scheduler count it as run."""
+        """Launch ``batch`` behind ``previous`` (whose tokens its placeholders are); the scheduler counts it as run."""
         flight = self.executor.launch(batch, previous, clock)
         self.scheduler.launched(batch, flight.sampling)
         return flight
 
     def _postprocess(self, flight: InFlight | None, clock: StepClock) -> list[RequestOutput]:
-        """Step ``flight`` read and handed to the scheduler; nothing when no step is in flight. A failed step fails
-        every sequence of it still here (one pass for the whole batch: their caches are half written)."""
+        """Step ``flight`` read and handed to the scheduler (nothing in flight: nothing). A failed step fails every
+        sequence of it still here: one pass for the whole batch, their caches half written."""
         self.accepted_lengths, self.last_read = [], None
         if flight is None:
             return []
@@ -353,13 +353,13 @@ class Engine:
         return self.scheduler.postprocess(flight.batch, sampled, clock)
 
     def measure_host(self, clock: StepClock) -> None:
-        """The host's share of an overlapped turn (its phases but ``read``, the wait for the device), a running mean:
-        the overlap a step with guesses gives up by waiting, which the speculation policy charges guesses for
-        (``SpeculationCost.sync``). Where nothing runs behind the host's back, it stays 0."""
+        """The host's share of a turn that launched a step (its phases but ``read`` and ``verify``, which wait for the
+        device), a running mean: the overlap a step with guesses gives up by waiting, which the speculation policy
+        charges guesses for (``SpeculationCost.sync``). Only where turns can overlap; elsewhere it stays 0."""
         cost = self.scheduler.cost
-        if not self.executor.queue.asynchronous or cost is None:
+        if not self.overlaps or cost is None:
             return
-        host = sum(clock.phases.values()) - clock.phases.get("read", 0.0)
+        host = sum(clock.phases.values()) - clock.phases.get("read", 0.0) - clock.phases.get("verify", 0.0)
         self.scheduler.cost = replace(cost, sync=cost.sync + HOST_WEIGHT * (host - cost.sync))
 
     def sync_reason(self, batch: Batch) -> SyncReason | None:

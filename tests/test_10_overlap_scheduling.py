@@ -414,6 +414,21 @@ def test_the_policy_charges_guesses_for_the_overlap_they_give_up():
     assert policy.plan_guesses([0.95], [4], 1, hidden) == [4]
 
 
+def test_the_host_time_a_guess_gives_up_is_learned_on_the_turns_that_wait_too(model_dir):
+    """The policy's charge for a guess is the host's time a turn, which overlapping would hide. It is measured on the
+    turns that wait as well as on those that overlap: taken from overlapped turns alone, a workload whose steps all
+    wait (here a penalized request: every step of it needs its tokens on the host) would never learn it. Where turns
+    cannot overlap (a CPU without the device thread) it stays 0."""
+    threaded = make_engine(FOLDER, model_dir, kv_cache_mb=16, device_thread="on")
+    inline = make_engine(FOLDER, model_dir, kv_cache_mb=16)
+    prompt = threaded.encode("The history of the Roman Empire")
+    for engine in (threaded, inline):
+        assert engine.scheduler.cost is not None and engine.scheduler.cost.sync == 0.0
+        engine.generate_offline([prompt], sampler.SamplingParams(max_tokens=8, temperature=0.0, presence_penalty=0.5))
+    assert threaded.stats().overlap.overlapped == 0 and threaded.stats().overlap.synchronous["penalties"] > 0
+    assert threaded.scheduler.cost.sync > 0.0 and inline.scheduler.cost.sync == 0.0
+
+
 def test_metrics_and_health_count_overlapped_steps_and_each_reason_to_wait(engines):
     engine, _ = engines
     with serve_stage(FOLDER, engine) as server:
