@@ -580,8 +580,12 @@ def start_runner(config: EngineConfig, model: LlamaForCausalLM, device: torch.de
     guesses = config.num_speculative_tokens if config.speculative != "off" else 0
     runner = ModelRunner(model, kv_cache, config.block_size, device, config.max_num_seqs, max_model_len, guesses,
                          max_num_batched_tokens)
-    # Warm up: compile every kernel now (a decode step and an extend step), not in a user's request.
-    for num_tokens in (1, 2):
+    # Warm up: compile every kernel now (a decode step and an extend step), not in a user's request. On CUDA the
+    # extend kernel is tuned apart for each size of query (``query_rows_bucket``): 2 rows take the bucket of 16, the
+    # largest step above the last, and 100 and 1,000 rows the two between, so that no served step pays for a tuning.
+    most = min(max_num_batched_tokens, max_model_len)
+    between = [n for n in (100, 1000) if n <= most] if device.type == "cuda" else []
+    for num_tokens in (1, 2, *between):
         run_dummy_step(model, kv_cache, device, num_tokens)
     if captures_graphs(device, config.enforce_eager):
         runner.capture()

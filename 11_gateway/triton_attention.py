@@ -143,11 +143,11 @@ def query_rows_bucket(max_query_len: int) -> int:
 
 
 # The tiles are tuned once per model shape (and dtype) and size of query (``query_rows_bucket``), not per
-# step: the engine's warm-up makes the first calls with a long step and a short one, and the CUDA graphs'
-# warm-up runs each verification bucket before capturing it, so serving seldom pays for tuning (a mid-sized
-# prompt chunk, once). The block table's width changes from step to step, and Triton would compile a new
-# variant whenever its stride changes divisibility: so it is not specialized on; nor is the query bucket,
-# which only keys the tuning (the kernel never reads it).
+# step: on CUDA the engine's warm-up makes a call of each bucket (a long step, 1,000 rows, 100 and 2), and the
+# CUDA graphs' warm-up runs each verification bucket before capturing it, so no served step pays for tuning.
+# The block table's width changes from step to step, and Triton would compile a new variant whenever its stride
+# changes divisibility: so it is not specialized on; nor is the query bucket, which only keys the tuning (the
+# kernel never reads it).
 @triton.autotune(configs=_extend_configs(), key=["HEAD_DIM", "GROUP", "query_rows"])
 @triton.jit(do_not_specialize=["stride_bt", "query_rows"])
 def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
