@@ -124,7 +124,8 @@ def test_a_levels_overlapped_and_synchronous_steps_from_metrics_pages():
                 f'llm_sync_steps_total{{reason="penalties"}} 2.0\n'
                 f'llm_sync_steps_created{{reason="speculation"}} 1.7e9\n')
 
-    phases = loadgen.step_phases_between(loadgen.Counters.parse(page(10, 4, 5)), loadgen.Counters.parse(page(40, 30, 8)))
+    before, after = loadgen.Counters.parse(page(10, 4, 5)), loadgen.Counters.parse(page(40, 30, 8))
+    phases = loadgen.step_phases_between(before, after)
     time = loadgen.token_time(phases, None)
     assert time["overlapped_steps"] == 26 and time["synchronous_steps"] == {"speculation": 3, "penalties": 0}
 
