@@ -1,6 +1,6 @@
 """Request state. ``Sequence`` is what the engine core knows about one request; ``Request`` is
 what the HTTP side holds while it waits for that request's tokens; ``RequestOutput`` goes between,
-and ``StepResult`` is what one engine step produced."""
+and ``StepResult`` is what one turn of the engine produced."""
 
 from __future__ import annotations
 
@@ -58,7 +58,8 @@ class RequestOutput:
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one engine step produced: an output for every sequence that has news, and the step's size."""
+    """What one turn of the engine produced: an output for every sequence with news from the step it read, and the
+    size of the step it launched (overlapping, the two are different steps: N read, N + 1 launched)."""
 
     outputs: list[RequestOutput]
     num_tokens: int = 0  # tokens the forward pass ran (0: nothing was scheduled)

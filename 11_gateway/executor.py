@@ -103,6 +103,8 @@ class DeviceQueue:
         self.thread = thread and device.type != "cuda"
         self._work: queue.SimpleQueue[tuple[Callable[[], DeviceOutput], Future] | None] | None = None
         self._thread: threading.Thread | None = None
+        if self.thread:
+            atexit.register(self.close)  # the interpreter must not exit under a step still inside PyTorch
 
     @property
     def asynchronous(self) -> bool:
@@ -117,14 +119,10 @@ class DeviceQueue:
                 self._thread = threading.Thread(target=self._run, args=(self._work, torch.get_num_threads()),
                                                 name="device", daemon=True)
                 self._thread.start()
-                atexit.register(self.close)  # the interpreter must not exit under a step still inside PyTorch
             self._work.put((work, future))
             return DeviceWork(future)
         if self.device.type != "cuda":
-            started = time.perf_counter()
             run(work, future)
-            if future.exception() is None:
-                future.result().seconds = time.perf_counter() - started
             return DeviceWork(future)
         start, end, done = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True),
                             torch.cuda.Event())
@@ -146,20 +144,21 @@ class DeviceQueue:
         """The device thread: each step's work in turn, its result (or its error) on its future."""
         torch.set_num_threads(threads)  # a new thread's OpenMP team is sized by its own setting: the process's count
         while (item := work_queue.get()) is not None:
-            work, future = item
-            started = time.perf_counter()
-            run(work, future)
-            if future.exception() is None:
-                future.result().seconds = time.perf_counter() - started
+            run(*item)
 
 
 def run(work: Callable[[], DeviceOutput], future: Future[DeviceOutput]) -> None:
-    """Run ``work`` under inference mode (a thread's own setting), its result or its error on ``future``."""
+    """Run ``work`` under inference mode (a thread's own setting), its result (timed: on a CPU the device's time for
+    the step; CUDA's events replace it when read) or its error on ``future``."""
+    started = time.perf_counter()
     try:
         with torch.inference_mode():
-            future.set_result(work())
+            output = work()
     except BaseException as exc:  # noqa: BLE001 - the host sees it when it reads the step
         future.set_exception(exc)
+        return
+    output.seconds = time.perf_counter() - started
+    future.set_result(output)
 
 
 def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -366,10 +365,12 @@ class Executor:
         """One step's device work, in the queue's order: its input ids (placeholders resolved from the step before,
         which has run by now on this queue), the forward pass, and unless it ``verifies``, its tokens sampled and
         copied to the host with the logprobs asked for (the prompt's too), without waiting."""
-        waits = min(inputs.input_ids) < 0  # placeholders: tokens of the step before, still on the device
-        if waits and (previous is None or previous.value().tokens is None):
-            raise RuntimeError("its input ids are the tokens of a step that failed")
-        input_ids = self.runner.device_input_ids(inputs, previous.value().tokens if waits else None)
+        sampled = None  # [S'] the step before's tokens, where this step's input ids are placeholders for them
+        if min(inputs.input_ids) < 0:
+            sampled = previous.value().tokens if previous is not None else None
+            if sampled is None:
+                raise RuntimeError("its input ids are the tokens of a step that failed")
+        input_ids = self.runner.device_input_ids(inputs, sampled)
         logits, prompt_logits = self.runner.execute(inputs, input_ids)  # [S, V] (with guesses: [R, V]); [M, V]
         if verifies or not sampling:
             return DeviceOutput(logits, prompt_logits, host=to_host(scoring.on_device(prompt_logits)))
