@@ -1,10 +1,11 @@
 """The engine: one step at a time, every request in flight batched into each forward pass.
 
-Each ``step`` is a short pipeline: the scheduler picks the sequences that take part (a prefill of
-newly admitted prompts, or one decode token for every running sequence), the model runner lays them
-out as one flat batch and runs the model, the sampler picks every sequence's next token at once, and
-the scheduler appends them, finishes the sequences that are done and frees their blocks. A request
-that arrives mid-way joins at the next step.
+Each ``step`` is the same four calls: the scheduler picks the sequences that take part (``schedule``: a
+prefill of newly admitted prompts, or one decode token for every running sequence); the executor
+(``executor.py``) lays them out as one flat batch and runs the model (``launch``), and the scheduler
+counts the step's tokens as computed; the step is read back once (``read``: the sampler picks every
+sequence's next token at once); and the scheduler appends them, finishes the sequences that are done and
+frees their blocks (``postprocess``). A request that arrives mid-way joins at the next step.
 
 ``Engine`` is the synchronous core (``add_request``, ``step``, ``abort``); ``AsyncEngine``
 (``async_engine.py``) runs its step loop on a thread for the asyncio server.
@@ -21,10 +22,11 @@ from common.weights import load_tokenizer, resolve_model
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .executor import Executor
 from .model import LlamaForCausalLM
-from .model_runner import StepInput, start_runner
-from .sampler import SamplingParams, compute_logprobs, make_generator, sample
-from .scheduler import Batch, Sampled, Scheduler
+from .model_runner import start_runner
+from .sampler import SamplingParams, make_generator
+from .scheduler import Scheduler
 from .sequence import Sequence, StepKind, StepResult
 from .stats import EngineStats, KVBlockStats
 
@@ -56,6 +58,7 @@ class Engine:
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.eos_token_ids)
+        self.executor = Executor(self.runner)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -110,8 +113,10 @@ class Engine:
 
     # --- one step -------------------------------------------------------------------------
     def step(self, clock: StepClock | None = None) -> StepResult:
-        """One iteration, a pipeline: schedule, prepare, execute, sample, update (the scheduler appends each new
-        token, finishes and frees). Returns every scheduled sequence's output.
+        """One iteration, four calls: ``schedule`` (who runs), ``executor.launch`` (prepare, run the model; the
+        scheduler then counts the step as run), ``InFlight.read`` (the one wait: sample on the logits, every
+        sequence's next token on the host) and ``scheduler.postprocess`` (append each new token, finish and free).
+        Returns every scheduled sequence's output.
 
         ``clock`` times each phase (the server's /metrics and --trace show them). On a GPU the forward pass
         runs asynchronously: ``execute`` only launches it, and its time shows in ``sample``, the first phase
@@ -121,42 +126,23 @@ class Engine:
         clock.lap("schedule")
         if not batch.seqs:
             return StepResult([])
+        num_tokens = batch.num_tokens
         try:
-            inputs = self.runner.prepare(batch)
-            clock.lap("prepare")
-            logits, prompt_logits = self.runner.execute(inputs)  # [B, V], and [M, V] for prompts to score
-            clock.lap("execute")
-            sampled = self._sample(batch, inputs, logits, prompt_logits)
-            clock.lap("sample")
+            flight = self.executor.launch(batch, clock)
+            self.scheduler.launched(batch)
+            sampled = flight.read(clock)
         except Exception as exc:  # one pass for the whole batch: all of it fails (their caches are half written)
             if isinstance(exc, torch.AcceleratorError):
                 # A CUDA error (a device-side assert, say) is sticky: every later kernel on this GPU fails
                 # too. Failing this batch and going on would fail every batch after it, so the engine
                 # stops, and the server says so (503) instead of answering each request with a 500.
                 raise EngineStopped(f"the GPU failed: {exc}") from exc
-            return StepResult([self.scheduler.fail(seq, exc) for seq in batch.seqs], batch.num_tokens)
+            return StepResult([self.scheduler.fail(seq, exc) for seq in batch.seqs], num_tokens)
         kind: StepKind = "prefill" if batch.is_prefill else "decode"
         for seq in batch.seqs:
             seq.trace.add(kind, clock.started, clock.last)  # the whole step: the sequence waited for all of the batch
-        return StepResult(self.scheduler.update(batch, sampled, clock), batch.num_tokens,
+        return StepResult(self.scheduler.postprocess(batch, sampled, clock), num_tokens,
                           num_decoding=0 if batch.is_prefill else len(batch.seqs))
-
-    def _sample(self, batch: Batch, inputs: StepInput, logits: torch.Tensor,
-                prompt_logits: torch.Tensor | None) -> list[Sampled]:
-        """Every sequence's next token, from its row of ``logits``, with the logprobs its request asked for."""
-        seqs = batch.seqs
-        params = [seq.params for seq in seqs]
-        token_ids = sample(logits, params, [seq.generator for seq in seqs], [seq.output_ids for seq in seqs])
-        logprobs = compute_logprobs(logits, token_ids, [p.logprobs for p in params])  # None for rows not asking
-        scored = prompt_logits.split(inputs.num_prompt_logits) if prompt_logits is not None else None
-        sampled = []
-        for i, seq in enumerate(seqs):
-            prompt_logprobs = None
-            if scored is not None and inputs.num_prompt_logits[i]:  # echo: the prompt's own logprobs
-                ks = [seq.params.prompt_logprobs] * inputs.num_prompt_logits[i]
-                prompt_logprobs = compute_logprobs(scored[i], seq.prompt_ids[1:], ks)
-            sampled.append(Sampled([token_ids[i]], [logprobs[i]], prompt_logprobs))
-        return sampled
 
     def generate_offline(self, prompts: list[list[int]],
                          params: SamplingParams | list[SamplingParams]) -> list[list[int]]:

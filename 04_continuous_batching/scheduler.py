@@ -16,10 +16,11 @@ When the pool runs dry in the middle of decoding, the most recently admitted seq
 recomputed (its prompt plus what it generated so far, prefilled again) when blocks free up. The
 oldest requests always keep going, so every request finishes.
 
-After the step, ``update`` hands each sequence's new token to the output processor
+A step is accounted for in two halves. When it is launched, ``launched`` counts its tokens as
+computed. When it is read, ``postprocess`` hands each sequence's new token to the output processor
 (``output_processor.py``: its text, and whether it ends the sequence), appends it, and finishes the
-sequences that ended: the scheduler is the only one that changes a sequence, so the engine's step
-reads as a pipeline (schedule, prepare, execute, sample, update).
+sequences that ended. The scheduler is the only one that changes a sequence: the engine's step is
+schedule, launch, read, postprocess.
 """
 
 from __future__ import annotations
@@ -143,17 +144,21 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    # --- after the step ---------------------------------------------------------------------
-    def update(self, batch: Batch, sampled: list[Sampled], clock: StepClock | None = None) -> list[RequestOutput]:
-        """The step has run: every sequence of ``batch`` has all its tokens in the cache, and ``sampled[i]`` is
-        what was chosen for ``batch.seqs[i]``. The output processor reads it (its text, whether the sequence ends);
-        append it, finish the sequences that ended (freeing their blocks), and return every sequence's output. A
-        failure in one sequence's own work (its text, its stop strings) fails that sequence alone. ``clock`` times
-        the bookkeeping (``update``) apart from ``_append``, which is mostly the output processor's (``detokenize``)."""
+    # --- after the step: launched, then read ------------------------------------------------
+    def launched(self, batch: Batch) -> None:
+        """``batch`` is launched: every sequence of it has all its tokens in the cache (once the pass has run)."""
+        for seq in batch.seqs:
+            seq.num_computed_tokens = seq.num_tokens
+
+    def postprocess(self, batch: Batch, sampled: list[Sampled], clock: StepClock | None = None) -> list[RequestOutput]:
+        """The step has been read: ``sampled[i]`` is what it chose for ``batch.seqs[i]``. The output processor reads it
+        (its text, whether the sequence ends); append it, finish the sequences that ended (freeing their blocks), and
+        return every sequence's output. A failure in one sequence's own work (its text, its stop strings) fails that
+        sequence alone. ``clock`` times the bookkeeping (``update``) apart from ``_append``, which is mostly the output
+        processor's (``detokenize``)."""
         clock = clock or StepClock()
         outputs = []
         for seq, news in zip(batch.seqs, sampled, strict=True):
-            seq.num_computed_tokens = seq.num_tokens
             clock.lap("update")
             try:
                 with seq.trace.span("detokenize"):

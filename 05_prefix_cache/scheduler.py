@@ -22,10 +22,11 @@ blocks it must really allocate count against the pool, and only the tokens it mu
 against the step's token budget. A preempted sequence is looked up the same way, and finds what is
 left of its own blocks.
 
-After the step, ``update`` hands each sequence's new token to the output processor
-(``output_processor.py``: its text, and whether it ends the sequence), appends it, and finishes the
-sequences that ended: the scheduler is the only one that changes a sequence, so the engine's step
-reads as a pipeline (schedule, prepare, execute, sample, update).
+A step is accounted for in two halves. When it is launched, ``launched`` counts its tokens as
+computed and indexes the blocks they filled. When it is read, ``postprocess`` hands each sequence's new
+token to the output processor (``output_processor.py``: its text, and whether it ends the sequence),
+appends it, and finishes the sequences that ended. The scheduler is the only one that changes a
+sequence: the engine's step is schedule, launch, read, postprocess.
 """
 
 from __future__ import annotations
@@ -175,24 +176,28 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    # --- after the step ---------------------------------------------------------------------
-    def update(self, batch: Batch, sampled: list[Sampled], clock: StepClock | None = None) -> list[RequestOutput]:
-        """The step has run: every sequence of ``batch`` has all its tokens in the cache, and ``sampled[i]`` is
-        what was chosen for ``batch.seqs[i]``. Index the blocks the step filled, start the other samples of a
-        request whose prompt is now cached, hand each new token to the output processor (its text, whether the
-        sequence ends), append it, finish the sequences that ended (freeing their blocks), and return every
-        sequence's output. A failure in one sequence's own work (its text, its stop strings) fails that sequence
-        alone. ``clock`` times the bookkeeping (``update``) apart from ``_append``, which is mostly the output
-        processor's (``detokenize``)."""
-        clock = clock or StepClock()
-        outputs, block_size = [], self.block_manager.block_size
-        for seq, news in zip(batch.seqs, sampled, strict=True):
+    # --- after the step: launched, then read ------------------------------------------------
+    def launched(self, batch: Batch) -> None:
+        """``batch`` is launched: every sequence of it has all its tokens in the cache (once the pass has run). Index
+        the blocks the step filled, and start the other samples of a request whose prompt is now cached."""
+        block_size = self.block_manager.block_size
+        for seq in batch.seqs:
             filled = seq.num_tokens // block_size > seq.num_computed_tokens // block_size
             seq.num_computed_tokens = seq.num_tokens
             if filled:  # this step filled a block (a decode does once every block_size steps): index it
                 self.block_manager.cache_full_blocks(seq.token_ids, seq.block_table, seq.num_computed_tokens)
             if seq.forks:  # its prompt is cached now: the request's other samples can start
                 self._fork(seq)
+
+    def postprocess(self, batch: Batch, sampled: list[Sampled], clock: StepClock | None = None) -> list[RequestOutput]:
+        """The step has been read: ``sampled[i]`` is what it chose for ``batch.seqs[i]``. The output processor reads it
+        (its text, whether the sequence ends); append it, finish the sequences that ended (freeing their blocks), and
+        return every sequence's output. A failure in one sequence's own work (its text, its stop strings) fails that
+        sequence alone. ``clock`` times the bookkeeping (``update``) apart from ``_append``, which is mostly the output
+        processor's (``detokenize``)."""
+        clock = clock or StepClock()
+        outputs = []
+        for seq, news in zip(batch.seqs, sampled, strict=True):
             clock.lap("update")
             try:
                 with seq.trace.span("detokenize"):

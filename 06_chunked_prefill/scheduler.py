@@ -27,10 +27,11 @@ blocks and goes back to the front of the waiting queue, to be recomputed when bl
 Admission first looks the sequence up in the prefix cache: the blocks of its longest cached prefix
 are shared, and its first chunk starts after them.
 
-After the step, ``update`` counts each sequence's computed tokens, hands its new token to the output
+A step is accounted for in two halves. When it is launched, ``launched`` counts its tokens as computed
+and indexes the blocks they filled. When it is read, ``postprocess`` hands each new token to the output
 processor (``output_processor.py``: its text, and whether it ends the sequence), appends it, and
-finishes the sequences that ended: the scheduler is the only one that changes a sequence, so the
-engine's step reads as a pipeline (schedule, prepare, execute, sample, update).
+finishes the sequences that ended. The scheduler is the only one that changes a sequence: the engine's
+step is schedule, launch, read, postprocess.
 """
 
 from __future__ import annotations
@@ -103,8 +104,8 @@ class Scheduler:
     def schedule(self) -> Batch:
         """The next step: one token for every decoding sequence, then prompt chunks, oldest first, within the budget.
 
-        Sets each scheduled sequence's ``num_scheduled_tokens``; ``update`` adds them to its computed tokens once
-        the step has run."""
+        Sets each scheduled sequence's ``num_scheduled_tokens``; ``launched`` adds them to its computed tokens once
+        the step is launched."""
         assert all(seq.num_scheduled_tokens == 0 for seq in self.running), "the last step was not accounted for"
         preemptions = self.num_preemptions
         ### BEGIN SOLUTION 6.1
@@ -209,6 +210,8 @@ class Scheduler:
     def _count_hit(self, seq: Sequence, num_cached_tokens: int) -> None:
         """Start the admitted ``seq`` after its cached tokens, and count the lookup (in tokens, as vLLM does)."""
         seq.num_computed_tokens = num_cached_tokens  # the step computes only the rest
+        if seq.needs_prompt_logprobs:  # echo: scored from its first chunk on (after a preemption, over again)
+            seq.prompt_logprobs = []
         if not seq.output_ids:  # its first admission: what usage reports as cached prompt tokens
             seq.num_cached_tokens = num_cached_tokens
         self.prefix_cache_queries += seq.num_tokens
@@ -225,24 +228,32 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    # --- after the step ---------------------------------------------------------------------
-    def update(self, batch: Batch, sampled: list[Sampled], clock: StepClock | None = None) -> list[RequestOutput]:
-        """The step has run: every sequence of ``batch`` has this step's tokens in the cache, and ``sampled[i]`` is
-        what was chosen for ``batch.seqs[i]`` (nothing for a chunk that ends part-way through its prompt). Count
-        the computed tokens, index the blocks they filled, start the other samples of a request whose prompt is
-        now cached, have the output processor read each new token (its text, whether the sequence ends), append
-        it, finish the sequences that ended (freeing their blocks), and return the output of every sequence that
-        has news. A failure in one sequence's own work (its text, its stop strings) fails that sequence alone.
-        ``clock`` times the bookkeeping (``update``) apart from ``_append``, which is mostly the output processor's
-        (``detokenize``)."""
+    # --- after the step: launched, then read ------------------------------------------------
+    def launched(self, batch: Batch) -> None:
+        """``batch`` is launched: count its tokens as computed now, index the blocks they filled, and start the other
+        samples of a request whose prompt is now cached."""
+        for seq in batch.seqs:
+            block_size, before = self.block_manager.block_size, seq.num_computed_tokens
+            seq.num_computed_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            filled = seq.num_computed_tokens // block_size > before // block_size
+            if filled:  # a block is full (a chunk may fill several; a decode does once every block_size steps)
+                self.block_manager.cache_full_blocks(seq.token_ids, seq.block_table, seq.num_computed_tokens)
+            if seq.forks and seq.num_computed_tokens == seq.num_tokens:  # its prompt is cached: the other samples start
+                self._fork(seq)
+
+    def postprocess(self, batch: Batch, sampled: list[Sampled], clock: StepClock | None = None) -> list[RequestOutput]:
+        """The step has been read: ``sampled[i]`` is what it chose for ``batch.seqs[i]`` (nothing for a chunk that ends
+        part-way through its prompt). Have the output processor read each new token (its text, whether the sequence
+        ends), append it, finish the sequences that ended (freeing their blocks), and return the output of every
+        sequence that has news. A failure in one sequence's own work (its text, its stop strings) fails that sequence
+        alone. ``clock`` times the bookkeeping (``update``) apart from ``_append``, which is mostly the output
+        processor's (``detokenize``)."""
         clock = clock or StepClock()
         outputs = []
         for seq, news in zip(batch.seqs, sampled, strict=True):
             if news.prompt_logprobs is not None:  # echo: this chunk's part of the prompt's logprobs
-                if seq.num_computed_tokens == 0:  # its first chunk (again, if it was preempted): start over
-                    seq.prompt_logprobs = []
                 seq.prompt_logprobs += news.prompt_logprobs
-            self._advance(seq)
             if not news.token_ids:
                 continue  # a mid-prompt chunk: nothing to say yet
             clock.lap("update")
@@ -254,18 +265,6 @@ class Scheduler:
             clock.lap("detokenize")
         clock.lap("update")
         return outputs
-
-    def _advance(self, seq: Sequence) -> None:
-        """This step's tokens of ``seq`` are in the cache now: count them, index the blocks they filled, and start
-        the request's other samples once its prompt is cached."""
-        block_size, before = self.block_manager.block_size, seq.num_computed_tokens
-        seq.num_computed_tokens += seq.num_scheduled_tokens
-        seq.num_scheduled_tokens = 0
-        filled = seq.num_computed_tokens // block_size > before // block_size
-        if filled:  # a block is full (a chunk may fill several; a decode does once every block_size steps): index it
-            self.block_manager.cache_full_blocks(seq.token_ids, seq.block_table, seq.num_computed_tokens)
-        if seq.forks and seq.num_computed_tokens == seq.num_tokens:  # its prompt is cached: the other samples start
-            self._fork(seq)
 
     def _fork(self, seq: Sequence) -> None:
         """Its prefill is done: queue the request's other samples, first in line, to share its prompt blocks."""

@@ -1,12 +1,13 @@
 """The engine: one step at a time within a token budget, every request in flight batched into each pass.
 
-Each ``step`` is a short pipeline: the scheduler picks the sequences that take part and how many tokens
-each (one for every decoding sequence, then chunks of prompts, within the step's token budget), the
-model runner lays them out as one flat batch and runs the model, the sampler picks the next token of
-every sequence whose step reaches its last token, and the scheduler counts the computed tokens,
-appends the new ones, finishes the sequences that are done and frees their blocks. A request that
-arrives mid-way joins at the next step; a long prompt is computed a chunk per step, alongside
-everyone else's decodes.
+Each ``step`` is the same four calls: the scheduler picks the sequences that take part and how many
+tokens each (``schedule``: one for every decoding sequence, then chunks of prompts, within the step's
+token budget); the executor (``executor.py``) lays them out as one flat batch and runs the model
+(``launch``), and the scheduler counts the step's tokens as computed; the step is read back once
+(``read``: the next token of every sequence whose step reaches its last token); and the scheduler
+appends the new ones, finishes the sequences that are done and frees their blocks (``postprocess``). A
+request that arrives mid-way joins at the next step; a long prompt is computed a chunk per step,
+alongside everyone else's decodes.
 
 ``Engine`` is the synchronous core (``add_request``, ``step``, ``abort``); ``AsyncEngine``
 (``async_engine.py``) runs its step loop on a thread for the asyncio server.
@@ -23,13 +24,14 @@ from common.weights import load_tokenizer, resolve_model
 from .block_manager import BlockManager
 from .config import CPU_TOKEN_BUDGET, CUDA_TOKEN_BUDGET, EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .executor import Executor
 from .model import LlamaForCausalLM
-from .model_runner import StepInput, start_runner
+from .model_runner import start_runner
 from .prefix_index import HashIndex, PrefixIndex
 from .radix_tree import RadixTree
-from .sampler import SamplingParams, TokenLogprobs, compute_logprobs, make_generator, sample
-from .scheduler import Batch, Sampled, Scheduler
-from .sequence import Sequence, StepKind, StepResult
+from .sampler import SamplingParams, make_generator
+from .scheduler import Scheduler
+from .sequence import Sequence, StepResult
 from .stats import EngineStats, KVBlockStats, PrefixCacheStats
 
 
@@ -86,6 +88,7 @@ class Engine:
                                           make_index(config.prefix_cache, config.block_size))
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
                                    self.eos_token_ids)
+        self.executor = Executor(self.runner)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -151,9 +154,11 @@ class Engine:
 
     # --- one step -------------------------------------------------------------------------
     def step(self, clock: StepClock | None = None) -> StepResult:
-        """One iteration, a pipeline: schedule, prepare, execute, sample, update (the scheduler counts the step's
-        tokens, appends each new token, finishes and frees). Returns the output of every sequence that has news
-        (a chunk that ends part-way through its prompt has none).
+        """One iteration, four calls: ``schedule`` (who runs, and how many tokens each), ``executor.launch``
+        (prepare, run the model; the scheduler then counts the step as run), ``InFlight.read`` (the one wait: sample
+        on the logits, each sequence's next token on the host) and ``scheduler.postprocess`` (append each new token,
+        finish and free). Returns the output of every sequence that has news (a chunk that ends part-way through its
+        prompt has none).
 
         ``clock`` times each phase (the server's /metrics and --trace show them). On a GPU the forward pass
         runs asynchronously: ``execute`` only launches it, and its time shows in ``sample``, the first phase
@@ -163,60 +168,22 @@ class Engine:
         clock.lap("schedule")
         if not batch.seqs:
             return StepResult([])
+        num_tokens = batch.num_tokens
         try:
-            inputs = self.runner.prepare(batch)
-            clock.lap("prepare")
-            logits, prompt_logits = self.runner.execute(inputs)  # [S, V] for the S that sample; [M, V] to score prompts
-            clock.lap("execute")
-            sampled = self._sample(batch, inputs, logits, prompt_logits)
-            clock.lap("sample")
+            flight = self.executor.launch(batch, clock)
+            self.scheduler.launched(batch)
+            sampled = flight.read(clock)
         except Exception as exc:  # one pass for the whole batch: all of it fails (their caches are half written)
             if isinstance(exc, torch.AcceleratorError):
                 # A CUDA error (a device-side assert, say) is sticky: every later kernel on this GPU fails
                 # too. Failing this batch and going on would fail every batch after it, so the engine
                 # stops, and the server says so (503) instead of answering each request with a 500.
                 raise EngineStopped(f"the GPU failed: {exc}") from exc
-            return StepResult([self.scheduler.fail(seq, exc) for seq in batch.seqs], batch.num_tokens)
-        kinds: list[StepKind] = ["decode" if seq.output_ids and seq.num_new_tokens == 1 else "prefill"
-                                 for seq in batch.seqs]
-        for seq, kind in zip(batch.seqs, kinds, strict=True):  # the whole step: each waited for all of the batch
+            return StepResult([self.scheduler.fail(seq, exc) for seq in batch.seqs], num_tokens)
+        for seq, kind in zip(batch.seqs, flight.kinds, strict=True):  # the whole step: each waited for all of it
             seq.trace.add(kind, clock.started, clock.last)
-        num_tokens = batch.num_tokens  # read before update, which counts the scheduled tokens as computed
-        return StepResult(self.scheduler.update(batch, sampled, clock), num_tokens,
-                          num_decoding=kinds.count("decode"))
-
-    def _sample(self, batch: Batch, inputs: StepInput, logits: torch.Tensor,
-                prompt_logits: torch.Tensor | None) -> list[Sampled]:
-        """The next token of every sequence whose step reaches its last token, from its row of ``logits`` (a chunk
-        that ends part-way through its prompt samples nothing), with the logprobs its request asked for."""
-        sampling = [seq for seq in batch.seqs if seq.samples_next_token]  # [S], as the rows of logits
-        token_ids, logprobs = [], []
-        if sampling:  # none when the step was only mid-prompt chunks
-            params = [seq.params for seq in sampling]
-            generators, outputs = [seq.generator for seq in sampling], [seq.output_ids for seq in sampling]
-            token_ids = sample(logits, params, generators, outputs)
-            logprobs = compute_logprobs(logits, token_ids, [p.logprobs for p in params])  # None: not asked
-        scored = prompt_logits.split(inputs.num_prompt_logits) if prompt_logits is not None else None
-        sampled, row = [], 0
-        for i, seq in enumerate(batch.seqs):
-            prompt_logprobs = None
-            if scored is not None and inputs.num_prompt_logits[i]:
-                prompt_logprobs = self._score_prompt(seq, scored[i])
-            if seq.samples_next_token:
-                sampled.append(Sampled([token_ids[row]], [logprobs[row]], prompt_logprobs))
-                row += 1
-            else:
-                sampled.append(Sampled([], [], prompt_logprobs))
-        return sampled
-
-    @staticmethod
-    def _score_prompt(seq: Sequence, logits: torch.Tensor) -> list[TokenLogprobs]:
-        """Echo: the logprobs of the prompt tokens this step's rows of ``seq`` predict. Its first row is at position
-        ``num_computed_tokens`` and predicts the token after it."""
-        # logits: [m, V] for positions start .. start + m - 1, which predict prompt tokens start + 1 .. start + m
-        start = seq.num_computed_tokens
-        targets = seq.prompt_ids[start + 1 : start + 1 + logits.shape[0]]
-        return compute_logprobs(logits, targets, [seq.params.prompt_logprobs] * len(targets))
+        return StepResult(self.scheduler.postprocess(batch, sampled, clock), num_tokens,
+                          num_decoding=flight.kinds.count("decode"))
 
     def generate_offline(self, prompts: list[list[int]],
                          params: SamplingParams | list[SamplingParams]) -> list[list[int]]:

@@ -1,12 +1,13 @@
 """The engine: one step at a time within a token budget, every request in flight batched into each pass.
 
-Each ``step`` is a short pipeline: the scheduler picks the sequences that take part and how many tokens
-each (one for every decoding sequence, then chunks of prompts, within the step's token budget), the
-model runner lays them out as one flat batch and runs the model, the sampler picks the next token of
-every sequence whose step reaches its last token, and the scheduler counts the computed tokens,
-appends the new ones, finishes the sequences that are done and frees their blocks. A request that
-arrives mid-way joins at the next step; a long prompt is computed a chunk per step, alongside
-everyone else's decodes.
+Each ``step`` is the same four calls: the scheduler picks the sequences that take part and how many
+tokens each (``schedule``: one for every decoding sequence, then chunks of prompts, within the step's
+token budget); the executor (``executor.py``) lays them out as one flat batch and runs the model
+(``launch``), and the scheduler counts the step's tokens as computed; the step is read back once
+(``read``: the next token of every sequence whose step reaches its last token); and the scheduler
+appends the new ones, finishes the sequences that are done and frees their blocks (``postprocess``). A
+request that arrives mid-way joins at the next step; a long prompt is computed a chunk per step,
+alongside everyone else's decodes.
 
 A decoding sequence may also bring guesses of its next tokens (``proposer.py``): the scheduler
 reserves room for them, the proposer fills it, the model runs the last token and the guesses in one
@@ -40,18 +41,19 @@ from common.weights import load_tokenizer, resolve_model
 from .block_manager import BlockManager
 from .config import CPU_TOKEN_BUDGET, CUDA_TOKEN_BUDGET, EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .distributed import STEP_POLL_S, RanksOutOfStep, TPGroup, device_of, start_ranks, under_torchrun, wait_until
+from .distributed import RanksOutOfStep, TPGroup, device_of, start_ranks, under_torchrun
+from .executor import Executor
 from .kv_cache import KVCache
 from .model import LlamaForCausalLM, ModelConfig
-from .model_runner import StepInput, cost_rows, start_runner
+from .model_runner import cost_rows, start_runner
 from .policy import SpeculationCost
 from .prefix_index import HashIndex, PrefixIndex
 from .proposer import DraftProposer, NgramProposer, layer_skip_draft, load_draft
 from .radix_tree import RadixTree
-from .sampler import SamplingParams, TokenLogprobs, compute_logprobs, make_generator
-from .scheduler import Batch, Sampled, Scheduler
-from .sequence import Sequence, StepKind, StepResult
-from .speculative import Speculation, verify
+from .sampler import SamplingParams, make_generator
+from .scheduler import Scheduler
+from .sequence import Sequence, StepResult
+from .speculative import Speculation
 from .stats import EngineStats, KVBlockStats, PrefixCacheStats
 from .worker import memory_report, run_worker
 
@@ -150,6 +152,7 @@ class Engine:
                                           config.enforce_eager)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
                                    self.eos_token_ids, self.speculation_cost())
+        self.executor = Executor(self.runner, self.scheduler, self.proposer, self.ranks, config.dist_timeout)
         self.tp.wait_for_all()  # every rank started up (graphs captured and all): the first step may go out
 
     @property
@@ -168,17 +171,6 @@ class Engine:
 
     def memory_report(self) -> str:
         return memory_report(self.runner)
-
-    def _wait_for_ranks(self) -> None:
-        """On a GPU with a process group: wait until the step's GPU work, its collectives too, is done, within
-        ``--dist-timeout`` and only while every worker runs (RanksOutOfStep otherwise). Blocking on the logits
-        instead would wait forever for a dead peer: a collective replayed in a CUDA graph has no timeout. (On a
-        CPU each gloo collective returns when done, or fails after its timeout.)"""
-        if self.device.type != "cuda" or self.tp.group is None:
-            return
-        done = torch.cuda.Event()
-        done.record()  # after every kernel of the step on this stream
-        wait_until(done.query, self.config.dist_timeout, self.ranks.exited, "the step's GPU work", STEP_POLL_S)
 
     def make_draft(self, config: EngineConfig) -> LlamaForCausalLM | None:
         """The draft model of ``--speculative draft``: a local folder's, or the model's own first layers."""
@@ -273,9 +265,11 @@ class Engine:
 
     # --- one step -------------------------------------------------------------------------
     def step(self, clock: StepClock | None = None) -> StepResult:
-        """One iteration, a pipeline: schedule, propose, prepare, execute, verify, update (the scheduler counts the
-        step's tokens, appends each run, finishes and frees). Returns the output of every sequence that has news
-        (a chunk that ends part-way through its prompt has none).
+        """One iteration, four calls: ``schedule`` (who runs, and how many tokens each), ``executor.launch`` (propose,
+        prepare, send to the ranks, run the model; the scheduler then counts the step as run), ``InFlight.read`` (the
+        one wait: verify on the logits, each sequence's run on the host) and ``scheduler.postprocess`` (append each
+        run, roll back rejected guesses, finish and free). Returns the output of every sequence that has news (a
+        chunk that ends part-way through its prompt has none).
 
         ``clock`` times each phase (the server's /metrics and --trace show them). On a GPU the forward pass
         runs asynchronously: ``execute`` only launches it, and its time shows in ``verify``, the first phase
@@ -285,17 +279,11 @@ class Engine:
         clock.lap("schedule")
         if not batch.seqs:
             return StepResult([])
+        num_tokens = batch.num_tokens
         try:
-            self._propose(batch)
-            clock.lap("propose")
-            inputs = self.runner.prepare(batch)
-            clock.lap("prepare")
-            self.ranks.send(inputs)  # every other rank runs the same step on its slices
-            logits, prompt_logits = self.runner.execute(inputs)  # [R, V]: 1 + k rows per sampling sequence; [M, V]
-            clock.lap("execute")
-            self._wait_for_ranks()
-            sampled = self._verify(batch, inputs, logits, prompt_logits)
-            clock.lap("verify")
+            flight = self.executor.launch(batch, clock)
+            self.scheduler.launched(batch)
+            sampled = flight.read(clock)
         except Exception as exc:  # one pass for the whole batch: all of it fails (their caches are half written)
             if isinstance(exc, RanksOutOfStep):  # a rank died, or failed mid-step
                 self.check_ranks()  # the better message, when a process is gone
@@ -305,70 +293,12 @@ class Engine:
                 # too. Failing this batch and going on would fail every batch after it, so the engine
                 # stops, and the server says so (503) instead of answering each request with a 500.
                 raise EngineStopped(f"the GPU failed: {exc}") from exc
-            return StepResult([self.scheduler.fail(seq, exc) for seq in batch.seqs], batch.num_tokens)
-        kinds: list[StepKind] = ["decode" if seq.output_ids and seq.num_new_tokens == 1 else "prefill"
-                                 for seq in batch.seqs]
-        for seq, kind in zip(batch.seqs, kinds, strict=True):  # the whole step: each waited for all of the batch
+            return StepResult([self.scheduler.fail(seq, exc) for seq in batch.seqs], num_tokens)
+        for seq, kind in zip(batch.seqs, flight.kinds, strict=True):  # the whole step: each waited for all of it
             seq.trace.add(kind, clock.started, clock.last)
-        accepted_lengths = [len(news.token_ids) - 1 for seq, news in zip(batch.seqs, sampled, strict=True)
-                            if seq.draft_ids]
-        num_tokens = batch.num_tokens  # read before update, which counts the scheduled tokens as computed
-        return StepResult(self.scheduler.update(batch, sampled, clock), num_tokens,
-                          num_decoding=kinds.count("decode"), accepted_lengths=accepted_lengths)
-
-    def _propose(self, batch: Batch) -> None:
-        """The sequences the scheduler reserved room for get up to that many guesses each."""
-        seqs = [seq for seq in batch.seqs if seq.num_lookahead_slots]
-        if not seqs:
-            return
-        assert self.proposer is not None, "room for guesses, and nobody to guess"
-        self.scheduler.set_guesses(seqs, self.proposer.propose(seqs, [seq.num_lookahead_slots for seq in seqs]))
-
-    def _verify(self, batch: Batch, inputs: StepInput, logits: torch.Tensor,
-                prompt_logits: torch.Tensor | None) -> list[Sampled]:
-        """The run of every sequence whose step reaches its last token: the longest run of its guesses the model
-        agrees with, plus one token of its own, from its 1 + k rows of ``logits`` (a chunk that ends part-way
-        through its prompt samples nothing); with the logprobs its request asked for."""
-        sampling = [seq for seq in batch.seqs if seq.samples_next_token]  # [S]; none when only mid-prompt chunks
-        runs = verify(logits, [seq.params for seq in sampling], [seq.draft_ids for seq in sampling],
-                      [seq.draft_probs for seq in sampling], [seq.output_ids for seq in sampling],
-                      [seq.generator for seq in sampling]) if sampling else []
-        logprobs = self._logprobs(logits, sampling, runs)
-        chosen = {id(seq): (run, run_logprobs) for seq, run, run_logprobs in zip(sampling, runs, logprobs, strict=True)}
-        scored = prompt_logits.split(inputs.num_prompt_logits) if prompt_logits is not None else None
-        sampled = []
-        for i, seq in enumerate(batch.seqs):
-            prompt_logprobs = None
-            if scored is not None and inputs.num_prompt_logits[i]:
-                prompt_logprobs = self._score_prompt(seq, scored[i])
-            run, run_logprobs = chosen.get(id(seq), ([], []))
-            sampled.append(Sampled(run, run_logprobs, prompt_logprobs))
-        return sampled
-
-    @staticmethod
-    def _logprobs(logits: torch.Tensor, sampling: list[Sequence], runs: list[list[int]]) -> list[list]:
-        """Each sampling sequence's logprobs of the tokens of its run (None where it did not ask): row i of a
-        sequence scores its run's token i; the rows of rejected guesses score nothing."""
-        targets, ks = [], []
-        for seq, run in zip(sampling, runs, strict=True):
-            rows = 1 + len(seq.draft_ids)
-            targets += run + seq.draft_ids[len(run):]  # past the run: any valid id, its row is not asked for
-            ks += [seq.params.logprobs] * len(run) + [None] * (rows - len(run))
-        measured = compute_logprobs(logits, targets, ks) if sampling else []
-        per_seq, start = [], 0
-        for seq, run in zip(sampling, runs, strict=True):
-            per_seq.append(measured[start : start + len(run)])
-            start += 1 + len(seq.draft_ids)
-        return per_seq
-
-    @staticmethod
-    def _score_prompt(seq: Sequence, logits: torch.Tensor) -> list[TokenLogprobs]:
-        """Echo: the logprobs of the prompt tokens this step's rows of ``seq`` predict. Its first row is at position
-        ``num_computed_tokens`` and predicts the token after it."""
-        # logits: [m, V] for positions start .. start + m - 1, which predict prompt tokens start + 1 .. start + m
-        start = seq.num_computed_tokens
-        targets = seq.prompt_ids[start + 1 : start + 1 + logits.shape[0]]
-        return compute_logprobs(logits, targets, [seq.params.prompt_logprobs] * len(targets))
+        accepted_lengths = [len(news.token_ids) - 1 for news in sampled if news.proposed]
+        return StepResult(self.scheduler.postprocess(batch, sampled, clock), num_tokens,
+                          num_decoding=flight.kinds.count("decode"), accepted_lengths=accepted_lengths)
 
     def generate_offline(self, prompts: list[list[int]],
                          params: SamplingParams | list[SamplingParams]) -> list[list[int]]:

@@ -31,11 +31,11 @@ its k, as far as the budget and the free blocks go; the proposer's guesses arriv
 Admission first looks the sequence up in the prefix cache: the blocks of its longest cached prefix
 are shared, and its first chunk starts after them.
 
-After the step, ``update`` counts each sequence's computed tokens (not its rejected guesses), hands the
-run verification kept to the output processor (``output_processor.py``: its text, and where it ends the
-sequence), appends what it kept, and finishes the sequences that ended: the scheduler is the only one that
-changes a sequence, so the engine's step reads as a pipeline (schedule, propose, prepare, execute, verify,
-update).
+A step is accounted for in two halves. When it is launched, ``launched`` counts its tokens (its guesses too) as
+computed. When it is read, ``postprocess`` takes back the guesses verification rejected, hands each run to the output
+processor (``output_processor.py``: its text, and where it ends the sequence), appends what it kept, and finishes the
+sequences that ended. A block is indexed in the prefix cache once every token in it is computed and kept. The
+scheduler is the only one that changes a sequence: the engine's step is schedule, launch, read, postprocess.
 """
 
 from __future__ import annotations
@@ -73,6 +73,8 @@ class Sampled:
     token_ids: list[int]  # its run: the accepted guesses and one token of the model's (none: a mid-prompt chunk)
     logprobs: list[TokenLogprobs | None]  # one per token: None where the request did not ask
     prompt_logprobs: list[TokenLogprobs] | None = None  # echo: those of the prompt tokens this step's chunk scored
+    proposed: int = 0  # guesses the step checked for it (``token_ids`` holds those it kept, then one token)
+    reserved: int = 0  # room the step reserved for its guesses (the proposer may have had none)
 
 
 class Scheduler:
@@ -114,8 +116,8 @@ class Scheduler:
     def schedule(self) -> Batch:
         """The next step: one token for every decoding sequence, then prompt chunks, oldest first, within the budget.
 
-        Sets each scheduled sequence's ``num_scheduled_tokens``; ``update`` adds them to its computed tokens once
-        the step has run."""
+        Sets each scheduled sequence's ``num_scheduled_tokens``; ``launched`` adds them to its computed tokens once
+        the step is launched."""
         assert all(seq.num_scheduled_tokens == 0 for seq in self.running), "the last step was not accounted for"
         preemptions = self.num_preemptions
         ### BEGIN SOLUTION 6.1
@@ -244,6 +246,8 @@ class Scheduler:
     def _count_hit(self, seq: Sequence, num_cached_tokens: int) -> None:
         """Start the admitted ``seq`` after its cached tokens, and count the lookup (in tokens, as vLLM does)."""
         seq.num_computed_tokens = num_cached_tokens  # the step computes only the rest
+        if seq.needs_prompt_logprobs:  # echo: scored from its first chunk on (after a preemption, over again)
+            seq.prompt_logprobs = []
         if not seq.output_ids:  # its first admission: what usage reports as cached prompt tokens
             seq.num_cached_tokens = num_cached_tokens
         self.prefix_cache_queries += seq.num_tokens
@@ -264,34 +268,43 @@ class Scheduler:
     # --- guesses (the proposer's) -----------------------------------------------------------
     def set_guesses(self, seqs: list[Sequence], proposals: list[Proposal]) -> None:
         """The proposer's guesses for the sequences this step reserved room for: each runs its last token and its
-        guesses. Fewer guesses than room: the rest of the room goes unused (the room stays counted until
-        ``update``: a sequence given room and no guess at all has its acceptance rate lowered there)."""
+        guesses. Fewer guesses than room: the rest of the room goes unused (the step keeps the room it
+        reserved: a sequence given room and no guess at all has its acceptance rate lowered in ``postprocess``)."""
         for seq, proposal in zip(seqs, proposals, strict=True):
             assert len(proposal.token_ids) <= seq.num_lookahead_slots, "more guesses than the room reserved"
             seq.draft_ids, seq.draft_probs = proposal.token_ids, proposal.probs
             seq.num_scheduled_tokens = 1 + len(proposal.token_ids)
 
-    # --- after the step ---------------------------------------------------------------------
-    def update(self, batch: Batch, sampled: list[Sampled], clock: StepClock | None = None) -> list[RequestOutput]:
-        """The step has run: every sequence of ``batch`` has this step's tokens in the cache, and ``sampled[i]`` is
-        what was chosen for ``batch.seqs[i]``: the run verification kept (its accepted guesses and one token of
-        the model's own), nothing for a chunk that ends part-way through its prompt. Count the computed tokens
-        (rejected guesses are not), index the blocks they filled, start the other samples of a request whose
-        prompt is now cached, have the output processor read each run (its text, where the sequence ends), append
-        what it kept, finish the sequences that ended (freeing their blocks), and return the output of every
-        sequence that has news. A failure in one sequence's own work (its text, its stop strings) fails that
-        sequence alone. ``clock`` times the bookkeeping (``update``) apart from ``_append``, which is mostly the
-        output processor's (``detokenize``)."""
+    # --- after the step: launched, then read ------------------------------------------------
+    def launched(self, batch: Batch) -> None:
+        """``batch`` is launched. Count its tokens as computed now, its guesses too (``postprocess`` takes back those
+        rejected), index the blocks they filled whose tokens are kept, and start the other samples of a request whose
+        prompt is now cached."""
+        for seq in batch.seqs:
+            before = seq.num_computed_tokens
+            seq.num_computed_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            seq.num_lookahead_slots, seq.draft_ids, seq.draft_probs = 0, [], None  # the step holds its own guesses
+            self._index_known(seq, before, [])
+            if seq.forks and seq.num_computed_tokens == seq.num_tokens:  # its prompt is cached: the other samples start
+                self._fork(seq)
+
+    def postprocess(self, batch: Batch, sampled: list[Sampled], clock: StepClock | None = None) -> list[RequestOutput]:
+        """The step has been read: ``sampled[i]`` is what it chose for ``batch.seqs[i]``: the run verification kept
+        (its accepted guesses and one token of the model's own), nothing for a chunk that ends part-way through its
+        prompt. Take back the rejected guesses (no longer computed), index the blocks the run completes, have the
+        output processor read each run (its text, where the sequence ends), append what it kept, finish the sequences
+        that ended (freeing their blocks), and return the output of every sequence that has news. A failure in one
+        sequence's own work (its text, its stop strings) fails that sequence alone. ``clock`` times the bookkeeping
+        (``update``) apart from ``_append``, which is mostly the output processor's (``detokenize``)."""
         clock = clock or StepClock()
         outputs = []
         for seq, news in zip(batch.seqs, sampled, strict=True):
             if news.prompt_logprobs is not None:  # echo: this chunk's part of the prompt's logprobs
-                if seq.num_computed_tokens == 0:  # its first chunk (again, if it was preempted): start over
-                    seq.prompt_logprobs = []
                 seq.prompt_logprobs += news.prompt_logprobs
-            self._advance(seq, news.token_ids[:-1])
             if not news.token_ids:
                 continue  # a mid-prompt chunk: nothing to say yet
+            self._settle(seq, news)
             clock.lap("update")
             try:
                 with seq.trace.span("detokenize"):
@@ -302,40 +315,29 @@ class Scheduler:
         clock.lap("update")
         return outputs
 
-    def _advance(self, seq: Sequence, accepted: list[int]) -> None:
-        """This step's tokens of ``seq`` are in the cache now, but for its rejected guesses: count them, index the
-        blocks they filled, and start the request's other samples once its prompt is cached.
-
-        ``accepted`` are the guesses verification kept: they count as computed, and the positions after them
-        hold rejected K/V that the next steps overwrite."""
-        block_size, before = self.block_manager.block_size, seq.num_computed_tokens
-        rejected = len(seq.draft_ids) - len(accepted)
-        seq.num_computed_tokens += seq.num_scheduled_tokens - rejected
-        seq.num_scheduled_tokens = 0
-        if seq.draft_ids:
-            self._record_verification(seq, len(accepted))
-            seq.draft_ids, seq.draft_probs = [], None
+    def _settle(self, seq: Sequence, news: Sampled) -> None:
+        """``news`` is the run of ``seq``'s step: take back its rejected guesses (counted as computed at launch; the
+        positions after the run hold K/V that the next steps overwrite), record how its guesses did, and index the
+        blocks its kept, computed tokens now fill."""
+        accepted = len(news.token_ids) - 1
+        if news.proposed:
+            seq.num_computed_tokens = max(0, seq.num_computed_tokens - (news.proposed - accepted))
+            self._record_verification(seq, news.proposed, accepted)
             # Neither cache may count a rejected token as computed; the next token's slot is kept.
             seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
             self.block_manager.shrink(seq.block_table, seq.num_computed_tokens + 1)
-        elif seq.num_lookahead_slots:
+        elif news.reserved:
             # Room was reserved and the proposer had nothing (its text does not recur): as good as a first guess
             # rejected. Counted so, its rate falls and the policy stops reserving room (and calling the proposer)
             # for it, until the drift brings it back; left out, the rate would drift *up* at every such step.
             seq.speculation.record(1, 0)
         else:
             seq.speculation.record(0, 0)  # a step without guesses: its acceptance rate drifts back to the prior
-        seq.num_lookahead_slots = 0
-        filled = seq.num_computed_tokens // block_size > before // block_size
-        if filled:  # a block is full (a chunk may fill several; a decode does once every block_size steps): index it
-            # Only computed tokens are indexed, and those are the accepted ones: no block with a rejected guess.
-            self.block_manager.cache_full_blocks(seq.token_ids + accepted, seq.block_table, seq.num_computed_tokens)
-        if seq.forks and seq.num_computed_tokens == seq.num_tokens:  # its prompt is cached: the other samples start
-            self._fork(seq)
+        known = seq.num_tokens  # before the run is appended
+        self._index_known(seq, min(seq.num_computed_tokens, known), news.token_ids)
 
-    def _record_verification(self, seq: Sequence, accepted: int) -> None:
+    def _record_verification(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """Count a verification: the sequence's own acceptance (what its next guesses are worth), and the engine's."""
-        proposed = len(seq.draft_ids)
         seq.speculation.record(proposed, accepted)
         stats = self.speculation
         self.speculation = SpeculationStats(stats.proposed + proposed, stats.accepted + accepted, stats.runs + 1)
@@ -345,6 +347,15 @@ class Scheduler:
         for fork in reversed(seq.forks):
             self.add(fork, first=True)
         seq.forks = []
+
+    def _index_known(self, seq: Sequence, before: int, news: list[int]) -> None:
+        """Index the blocks that are full of tokens both computed and kept (its prompt, its output and ``news``, about
+        to be appended) and were not at ``before`` such tokens. A block that holds a guess not yet verified waits: a
+        block is found by its tokens, and a rejected guess is not one of them."""
+        now = min(seq.num_computed_tokens, seq.num_tokens + len(news))
+        block_size = self.block_manager.block_size
+        if now // block_size > before // block_size:
+            self.block_manager.cache_full_blocks(seq.token_ids + news, seq.block_table, now)
 
     def _append(self, seq: Sequence, news: Sampled) -> RequestOutput:
         """Add a step's run of tokens to its sequence, as far as the output processor kept it (a run is cut where

@@ -1,11 +1,14 @@
 """The engine: one step at a time within a token budget, every request in flight batched into each pass, each step
 launched before the step before it is processed.
 
-Each step: the scheduler picks the sequences that take part and how many tokens each (one for every decoding
-sequence, then chunks of prompts, within the step's token budget), the executor lays them out as one flat batch, runs
-the model and picks the next token of every sequence whose step reaches its last token, and the scheduler counts the
-computed tokens, appends the new ones, finishes the sequences that are done and frees their blocks. A request that
-arrives mid-way joins at the next step; a long prompt is computed a chunk per step, alongside everyone else's decodes.
+Each ``step`` is the same four calls: the scheduler picks the sequences that take part and how many
+tokens each (``schedule``: one for every decoding sequence, then chunks of prompts, within the step's
+token budget); the executor (``executor.py``) lays them out as one flat batch and runs the model
+(``launch``), and the scheduler counts the step's tokens as computed; the step is read back once
+(``read``: the next token of every sequence whose step reaches its last token); and the scheduler
+appends the new ones, finishes the sequences that are done and frees their blocks (``postprocess``). A
+request that arrives mid-way joins at the next step; a long prompt is computed a chunk per step,
+alongside everyone else's decodes.
 
 A decoding sequence may also bring guesses of its next tokens (``proposer.py``): the scheduler
 reserves room for them, the proposer fills it, the model runs the last token and the guesses in one
@@ -23,10 +26,9 @@ or does not finish within ``--dist-timeout``, stops the engine (the ranks can no
 every rank.
 
 The steps overlap. A step's work on the host (scheduling, laying out the batch, reading the sampled tokens,
-finishing sequences) is time the device does nothing, unless the device has the next step to run meanwhile. Every step
-is the same four calls (``schedule``, ``executor.launch``, ``InFlight.read``, ``scheduler.postprocess``), and a turn of
-the loop makes them so that step N + 1 is launched before step N is read: the device computes N + 1 while Python
-processes N. Step N + 1 cannot know step N's tokens on the host yet; its decoding sequences' input ids are
+finishing sequences) is time the device does nothing, unless the device has the next step to run meanwhile. A turn of
+the loop makes the four calls so that step N + 1 is launched before step N is read: the device computes N + 1 while
+Python processes N. Step N + 1 cannot know step N's tokens on the host yet; its decoding sequences' input ids are
 placeholders, which the device fills in from step N's sampled tokens. A sequence that ends in step N (EOS) has had a
 token computed in step N + 1 all the same, which is dropped unread; one that reaches ``max_tokens`` is never
 scheduled past it. A step that needs a token on the host (guesses to propose, penalties to count, ranks to send it

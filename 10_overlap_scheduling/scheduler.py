@@ -274,8 +274,8 @@ class Scheduler:
     # --- guesses (the proposer's) -----------------------------------------------------------
     def set_guesses(self, seqs: list[Sequence], proposals: list[Proposal]) -> None:
         """The proposer's guesses for the sequences this step reserved room for: each runs its last token and its
-        guesses. Fewer guesses than room: the rest of the room goes unused (the room stays counted until
-        ``update``: a sequence given room and no guess at all has its acceptance rate lowered there)."""
+        guesses. Fewer guesses than room: the rest of the room goes unused (the step keeps the room it
+        reserved: a sequence given room and no guess at all has its acceptance rate lowered in ``postprocess``)."""
         for seq, proposal in zip(seqs, proposals, strict=True):
             assert len(proposal.token_ids) <= seq.num_lookahead_slots, "more guesses than the room reserved"
             seq.draft_ids, seq.draft_probs = proposal.token_ids, proposal.probs

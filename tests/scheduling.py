@@ -1,10 +1,10 @@
-"""Driving a scheduler the way its engine does, without a model: ``schedule``, then ``update`` with a token for
-every sequence whose step reaches its last one (from stage 10 on, ``launched`` then ``postprocess``, see
-``finish_step``). Up to stage 09 the sequences need a detokenizer; these tests count
-tokens, not words."""
+"""Driving a scheduler the way its engine does, without a model: ``schedule``, then ``launched`` and ``postprocess``
+with a token for every sequence whose step reaches its last one (``finish_step``). Up to stage 09 the sequences need a
+detokenizer; these tests count tokens, not words."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from .stages import has
@@ -35,7 +35,7 @@ def reaches_its_last_token(seq: Any) -> bool:
 
 
 def run(scheduler: Any, scheduler_module: Any, batch: Any, token_id: int = 0) -> list[str]:
-    """What the engine does after the forward pass: ``update`` with ``token_id`` for every sequence whose step
+    """What the engine does after the forward pass: ``finish_step`` with ``token_id`` for every sequence whose step
     reaches its last token. Returns who sampled."""
     sampling = [seq for seq in batch.seqs if reaches_its_last_token(seq)]
     sampled = [scheduler_module.Sampled([token_id], [None]) if seq in sampling else scheduler_module.Sampled([], [])
@@ -45,16 +45,17 @@ def run(scheduler: Any, scheduler_module: Any, batch: Any, token_id: int = 0) ->
 
 
 def finish_step(scheduler: Any, batch: Any, sampled: list[Any]) -> None:
-    """The step has run and ``sampled[i]`` is what it chose for ``batch.seqs[i]``. Up to stage 09: ``update``. From
-    stage 10 on, the engine's two calls: ``launched`` (the step is on the device: its tokens count as computed, each
-    sequence that samples gets a pending token), then ``postprocess`` with what was read, each run carrying the
-    guesses it checked and the room it had (the step's own record: ``launched`` clears them from the sequence)."""
-    if not hasattr(scheduler, "postprocess"):
-        scheduler.update(batch, sampled)
-        return
+    """The step has run and ``sampled[i]`` is what it chose for ``batch.seqs[i]``: the engine's two calls, ``launched``
+    (its tokens count as computed; from stage 10 on, each sequence that samples gets a pending token), then
+    ``postprocess`` with what was read, each run carrying (from stage 08 on) the guesses it checked and the room it had:
+    the step's own record, since ``launched`` clears them from the sequence."""
     sampling = [seq for seq in batch.seqs if reaches_its_last_token(seq)]
-    sampled = [type(news)(news.token_ids, news.logprobs, news.prompt_logprobs, len(getattr(seq, "draft_ids", [])),
-                          seq.num_lookahead_slots) if news.token_ids else news
-               for seq, news in zip(batch.seqs, sampled, strict=True)]
-    scheduler.launched(batch, sampling)
+    if sampled and hasattr(sampled[0], "proposed"):
+        sampled = [type(news)(news.token_ids, news.logprobs, news.prompt_logprobs, len(seq.draft_ids),
+                              seq.num_lookahead_slots) if news.token_ids else news
+                   for seq, news in zip(batch.seqs, sampled, strict=True)]
+    if "sampling" in inspect.signature(scheduler.launched).parameters:
+        scheduler.launched(batch, sampling)
+    else:
+        scheduler.launched(batch)
     scheduler.postprocess(batch, sampled)

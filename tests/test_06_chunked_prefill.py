@@ -41,8 +41,8 @@ def make(num_blocks: int = 100, max_num_seqs: int = 4, budget: int = 16):
 
 
 def run(scheduler, batch) -> list[str]:
-    """The step has run: ``update`` gives a token (0) to every sequence whose step reaches its last token.
-    Returns who sampled."""
+    """The step has run: ``launched`` and ``postprocess`` give a token (0) to every sequence whose step reaches its
+    last token. Returns who sampled."""
     return scheduling.run(scheduler, scheduler_module, batch)
 
 

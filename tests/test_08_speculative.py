@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from .conftest import STEP_COSTS, make_engine, stage
-from .scheduling import SilentDetokenizer
+from .scheduling import SilentDetokenizer, finish_step
 from .stages import stages_having
 from .steps import verification_step
 
@@ -326,7 +326,7 @@ def test_room_for_guesses_the_proposer_cannot_fill_counts_as_a_miss_and_stops_be
         if seq.num_lookahead_slots:
             scheduler.set_guesses([seq], [speculative.Proposal([])])
         assert seq.num_scheduled_tokens == 1, "no guess: its last token alone"
-        scheduler.update(batch, [scheduler_module.Sampled([100 + step], [None])])
+        finish_step(scheduler, batch, [scheduler_module.Sampled([100 + step], [None])])
         assert seq.num_lookahead_slots == 0, "the room lasts one step"
     assert room[0] == 4 and not any(room[2:8]) and sum(map(bool, room)) <= 4, room  # [4, 4, 0 x 8, 4, 0 ...]
     assert seq.speculation.acceptance < speculative.PRIOR_ACCEPTANCE

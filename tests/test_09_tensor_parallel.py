@@ -782,8 +782,8 @@ def test_a_step_that_never_finishes_on_the_gpu_stops_the_engine(tiny, monkeypatc
     engine = make_engine(FOLDER, tiny["llama"], kv_cache_mb=4, process_group=True, dist_timeout=0.5)
     try:
         engine.add_request("r", [1, 2, 3], sampler.SamplingParams(max_tokens=4, temperature=0.0))
-        engine.device = torch.device("cuda")  # the step's tensors stay on the CPU; only the wait is the GPU's
-        monkeypatch.setattr(engine_module.torch.cuda, "Event", NeverDone)
+        engine.executor.waits_for_ranks = True  # as on a GPU: the step's tensors stay on the CPU; only the wait is its
+        monkeypatch.setattr(stage(FOLDER, "executor").torch.cuda, "Event", NeverDone)
         with pytest.raises(engine_module.EngineStopped, match="waited 0.5 s for the step's GPU work"):
             engine.step()
     finally:

@@ -28,6 +28,7 @@ from .conftest import engine_config, make_engine, serve_stage, stage
 from .cores import core_on_a_thread
 from .prompts import CHAT_PROMPTS, TEXT_PROMPTS
 from .servers import start_fastapi
+from .syncs import count_syncs
 
 FOLDER = "10_overlap_scheduling"
 async_engine_module = stage(FOLDER, "async_engine")
@@ -78,6 +79,18 @@ def test_a_step_without_placeholders_is_unchanged_and_nothing_is_read_from_a_one
     ids = torch.tensor([3, 1, 4, 1, 5])
     assert model_runner.resolve_placeholders(ids, torch.tensor([9])).tolist() == [3, 1, 4, 1, 5]
     assert model_runner.resolve_placeholders(torch.tensor([-1, -1]), torch.tensor([9])).tolist() == [9, 9]
+
+
+@pytest.mark.exercise("10.2")
+def test_resolving_placeholders_reads_nothing_back_and_no_shape_depends_on_the_numbers():
+    """On a GPU the resolve runs on the stream behind step N's sampling. A ``.tolist()`` or ``.item()`` of the ids
+    would make the host wait for step N, the wait this stage removes; so would a boolean mask (``ids[ids < 0]``),
+    whose result's shape the host learns only once the device has computed it. Counted here, on the CPU."""
+    ids = torch.tensor([5, sequence_module.placeholder(2), 7, sequence_module.placeholder(0), 0])
+    with count_syncs() as syncs:
+        resolved = model_runner.resolve_placeholders(ids, torch.tensor([50, 60, 70]))
+    assert syncs.reads == 0 and not syncs.list_indexing and not syncs.data_dependent, syncs.calls
+    assert resolved.tolist() == [5, 70, 7, 50, 0]
 
 
 @pytest.mark.exercise("10.2")

@@ -60,7 +60,7 @@ def names(batch) -> list[str]:
 
 
 def run(mods: Stage, scheduler, batch) -> None:
-    """The step has run: ``update`` gives every sequence of the batch one more token (0)."""
+    """The step has run: ``launched`` and ``postprocess`` give every sequence of the batch one more token (0)."""
     scheduling.run(scheduler, mods.scheduler, batch)
 
 

@@ -1,6 +1,6 @@
 """Every distinct scheduler of the course, driven the way its engine drives it (``schedule``, the proposer's
-guesses where the stage has them, then ``update`` with what was sampled), against random arrivals and a small
-pool, with the promises checked after every step:
+guesses where the stage has them, then ``launched`` and ``postprocess`` with what was sampled), against random
+arrivals and a small pool, with the promises checked after every step:
 
 * first come, first served: a waiting sequence is admitted only after every one queued before it;
 * the token budget holds (stages without chunking: a prefill may overrun it only alone, to make progress),
