@@ -145,6 +145,69 @@ def test_a_match_shorter_than_min_blocks_is_no_match():
     assert {why for _, why in chosen} == {"no_match"} and {replica for replica, _ in chosen} == {"a", "b", "c"}
 
 
+class RecordingRandom(random.Random):
+    """The router's own generator, keeping what it was asked to draw from (``populations``) and how many other
+    draws it made (``draws``)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed)
+        self.populations: list[list] = []
+        self.draws = 0
+
+    def sample(self, population, k, **kwargs):
+        self.populations.append(list(population))
+        return super().sample(population, k, **kwargs)
+
+    def choice(self, seq):
+        self.populations.append(list(seq))
+        return super().choice(seq)
+
+    def choices(self, population, *args, **kwargs):
+        self.populations.append(list(population))
+        return super().choices(population, *args, **kwargs)
+
+    def shuffle(self, x):
+        self.populations.append(list(x))
+        return super().shuffle(x)
+
+    def random(self):
+        self.draws += 1
+        return super().random()
+
+    def randrange(self, *args, **kwargs):
+        self.draws += 1
+        return super().randrange(*args, **kwargs)
+
+
+@pytest.mark.exercise("11.1")
+def test_the_owner_is_weighed_against_two_others_drawn_with_the_routers_generator():
+    """The two the owner is compared with are drawn from the *other* replicas (drawn with it, the owner could be its
+    own yardstick and never look too far ahead), and by the router's own ``rng`` (seeded, so that a test or a replay
+    routes the same way; the global ``random`` is shared with everything else in the process)."""
+    owners = prefix_router.PrefixOwners()
+    owners.record(hashes(1, 2), "a")
+    loads = {"a": 30, "b": 0, "c": 5, "d": 5}
+    for seed in range(30):
+        rng = RecordingRandom(seed)
+        replica, why = prefix_router.prefer(hashes(1, 2), owners, loads, 8, rng, min_blocks=1)
+        assert rng.populations or rng.draws, "the replicas are drawn with the router's own generator"
+        assert all("a" not in population for population in rng.populations), "the owner is drawn against itself"
+        assert (why, replica != "a") == ("imbalance", True)
+
+
+@pytest.mark.exercise("11.1")
+def test_a_loaded_owner_gives_way_to_the_less_loaded_of_the_two_drawn_not_of_all():
+    """Power of two choices, not the least loaded of all: the least loaded replica ("b") wins only when drawn; a draw
+    of c and d (one time in three) sends the request to one of them."""
+    owners = prefix_router.PrefixOwners()
+    owners.record(hashes(1, 2), "a")
+    loads = {"a": 20, "b": 0, "c": 10, "d": 10}
+    seen = {prefix_router.prefer(hashes(1, 2), owners, loads, 5, random.Random(seed), min_blocks=1)
+            for seed in range(60)}
+    assert ("b", "imbalance") in seen and seen & {("c", "imbalance"), ("d", "imbalance")}, seen
+    assert {why for _, why in seen} == {"imbalance"}
+
+
 def test_the_owner_table_forgets_the_oldest_and_the_dead():
     owners = prefix_router.PrefixOwners(capacity=3)
     owners.record(hashes(1, 2), "a")
@@ -342,6 +405,8 @@ def test_a_request_that_waits_lets_ray_serve_sleep_between_rounds():
     (3, 0, 96, 2),  # nothing waits and 96 running fit in half of 2 x 96 slots: one fewer
     (3, 0, 97, 3),  # 97 do not
     (3, 1, 0, 3),  # something waits: never down
+    (3, 0, 10, 2),  # a near-empty batch: down by one a decision, not straight to what the batch needs (1)
+    (4, 0, 0, 3),  # idle: one at a time too
 ])
 def test_the_decision_follows_the_queue_not_the_batch(current, waiting, running, expected):
     assert autoscaling.desired_replicas(current, waiting, running, target_depth=8, slots=96) == expected
