@@ -26,7 +26,7 @@ from common.weights import load_tokenizer
 
 from .autoscaling import desired_replicas
 from .config import EngineConfig
-from .fleet import APP_NAME, ModelSpec, deployment_name, model_specs, start, stop
+from .fleet import APP_NAME, ModelSpec, RayDidNotStart, deployment_name, model_specs, start, stop
 from .gateway_config import RANDOM_LARGE, GatewayConfig
 from .prefix_router import MIN_MATCH_BLOCKS
 
@@ -120,7 +120,8 @@ class Burst:
     max_tokens: int = 16
     think_s: float = 0.2  # a client's pause between an answer and its next request
     after_running_s: float = 8.0  # the clients go on this long once the new replica runs
-    longest_s: float = 60.0  # and stop after this long anyway (no replica was added)
+    longest_s: float = 60.0  # and stop after this long if no replica was added
+    start_longest_s: float = 180.0  # or this long after the decision, if the new replica has not run by then
     poll_s: float = 0.25  # how often the demo reads the fleet's state
 
 
@@ -189,8 +190,18 @@ class BurstRecord:
         return next((s.t for s in self.samples if s.desired > self.initial_replicas), None)
 
     def running_s(self) -> float | None:
-        """When a replica more than the fleet started with began to run."""
-        return next((s.t for s in self.samples if s.running > self.initial_replicas), None)
+        """When a replica more than the fleet started with began to run: serve.status() said so, or it answered a
+        request (whichever came first: the status is read every ``poll_s``, and lags behind the replica)."""
+        said = next((s.t for s in self.samples if s.running > self.initial_replicas), None)
+        decision = self.decision_s()
+        if decision is None:
+            return said
+        first_answer: dict[str, float] = {}  # each replica's first answer, in the order they came
+        for s in sorted((s for s in self.streams if s.status == 200 and s.replica and s.answered_s is not None),
+                        key=lambda s: s.answered_s):
+            first_answer.setdefault(s.replica, s.answered_s)
+        newcomers = [t for t in list(first_answer.values())[self.initial_replicas:] if t >= decision]
+        return min([t for t in (said, *newcomers[:1]) if t is not None], default=None)
 
 
 def stream_body(model: str, question: str, max_tokens: int) -> dict:
@@ -280,8 +291,12 @@ async def run_burst(url: str, record: BurstRecord, burst: Burst) -> dict | None:
         record.streams += record.extras
 
         def done() -> bool:
-            now, running = time.perf_counter() - t0, record.running_s()
-            return now > burst.longest_s or (running is not None and now > running + burst.after_running_s)
+            now, decision, running = time.perf_counter() - t0, record.decision_s(), record.running_s()
+            if running is not None:
+                return now > running + burst.after_running_s
+            if decision is not None:  # a replica is starting: wait for it (on a busy machine that takes longer)
+                return now > decision + burst.start_longest_s
+            return now > burst.longest_s
 
         while not done():
             await asyncio.sleep(burst.poll_s)
@@ -328,7 +343,11 @@ def report_burst(record: BurstRecord, burst: Burst, health: dict | None) -> None
         print(f"    +{decision:5.1f} s  {said} -> {next(s for s in record.samples if s.t == decision).replicas}")
         if running is not None:
             print(f"    +{running:5.1f} s  the new replica runs, {running - decision:.0f} s later (a process, the "
-                  f"model, its warm-up) -> {next(s for s in record.samples if s.t == running).replicas}")
+                  f"model, its warm-up)")
+        else:
+            waited = record.stopped_s - decision
+            print(f"    the new replica had not run when the clients stopped, {waited:.0f} s after the decision: "
+                  "its start took longer than the demo waits (a busy machine?)")
     print(f"    +{record.stopped_s:5.1f} s  the clients stop")
 
     answered = [s for s in record.streams if s.ttft_s is not None]
@@ -475,6 +494,8 @@ def main() -> None:
             time.sleep(3600)
     except KeyboardInterrupt:
         pass
+    except RayDidNotStart as exc:
+        raise SystemExit(f"error: {exc}") from None
     finally:
         stop()
 

@@ -41,6 +41,15 @@ from .routing import DifficultyRule, Size
 IMPORT_PATHS = os.pathsep.join(dict.fromkeys(str(Path(module).resolve().parent.parent)
                                              for module in (__file__, common.__file__)))
 APP_NAME = "gateway"
+# Ray waits 30 s for its node to register (a constant of its own, not a setting). On a laptop whose cores are busy it
+# can miss that at the first start and make it at the second: one retry, then a message that says what to do.
+RAY_START_TRIES = 2
+RAY_BUSY_HINT = ("Ray's node did not start in time on this machine, twice: its cores are too busy (see `uptime`). "
+                 "Close what else runs, or wait for it to finish, and start again")
+
+
+class RayDidNotStart(RuntimeError):
+    """Ray could not start its node here, at any of its tries."""
 POW2_ROUTER = "ray.serve._private.request_router.pow_2_router:PowerOfTwoChoicesRequestRouter"  # Serve's default
 
 
@@ -180,15 +189,30 @@ def start(specs: list[ModelSpec], fleet: GatewayConfig, host: str = "127.0.0.1",
     that a flood of requests on ``port`` does not share."""
     if not ray.is_initialized():
         local = "RAY_ADDRESS" not in os.environ
-        num_cpus = max(os.cpu_count() or 1, math.ceil(cpus_needed(specs, fleet))) if local else None
-        # address "local": a Ray instance of this process's own, never one that another program started here.
-        ray.init(address="local" if local else None, num_cpus=num_cpus, include_dashboard=False,
-                 log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": IMPORT_PATHS}})
+        start_ray(max(os.cpu_count() or 1, math.ceil(cpus_needed(specs, fleet))) if local else None)
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_app(specs, fleet), name=APP_NAME, route_prefix="/")
     if health_port is not None:
         start_probe_server(specs, host, health_port)
     return f"http://{host}:{port}"
+
+
+def start_ray(num_cpus: int | None) -> None:
+    """``ray.init`` on this machine (``num_cpus`` CPUs; None: join the cluster RAY_ADDRESS names), tried again once
+    when its node misses Ray's start-up deadline; RayDidNotStart, with what to do, when it misses it twice."""
+    for attempt in range(1, RAY_START_TRIES + 1):
+        try:
+            # address "local": a Ray instance of this process's own, never one that another program started here.
+            ray.init(address="local" if num_cpus is not None else None, num_cpus=num_cpus, include_dashboard=False,
+                     log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": IMPORT_PATHS}})
+            return
+        except Exception as exc:  # Ray raises a bare Exception when its node misses the deadline
+            if "timed out" not in str(exc):
+                raise
+            ray.shutdown()  # what did start (its GCS, a raylet) goes before the next try
+            if attempt == RAY_START_TRIES:
+                raise RayDidNotStart(f"{RAY_BUSY_HINT} (Ray: {exc})") from exc
+            print(f"Ray's node missed its start-up deadline (the machine is busy?): trying again ({exc})", flush=True)
 
 
 def start_probe_server(specs: list[ModelSpec], host: str, port: int) -> ProbeServer:

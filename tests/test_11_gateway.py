@@ -390,6 +390,55 @@ def test_a_request_that_waits_lets_ray_serve_sleep_between_rounds():
     assert asyncio.run(rounds_while_waiting()) <= waited_s / BACKOFF_S + 2
 
 
+# --- starting Ray on a busy machine ------------------------------------------------------------
+
+
+class FlakyRay:
+    """``ray.init`` and ``ray.shutdown`` that fail the first ``misses`` starts as Ray does when its node misses the
+    start-up deadline on a loaded machine (or with ``error``, at once)."""
+
+    TIMEOUT = ("The current node timed out during startup. This could happen because some of the raylet failed to "
+               "startup or the GCS has become overloaded.")
+
+    def __init__(self, misses: int, error: str = TIMEOUT) -> None:
+        self.misses, self.error, self.inits, self.shutdowns = misses, error, 0, 0
+
+    def init(self, **kwargs) -> None:
+        self.inits += 1
+        if self.inits <= self.misses:
+            raise Exception(self.error)  # noqa: TRY002 - Ray's own: a bare Exception
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+
+
+def test_a_ray_start_that_misses_its_deadline_is_tried_once_more(monkeypatch, capsys):
+    flaky = FlakyRay(misses=1)
+    monkeypatch.setattr(fleet.ray, "init", flaky.init)
+    monkeypatch.setattr(fleet.ray, "shutdown", flaky.shutdown)
+    fleet.start_ray(2)
+    assert (flaky.inits, flaky.shutdowns) == (2, 1)  # what the first try started is shut down before the second
+    assert "trying again" in capsys.readouterr().out
+
+
+def test_a_ray_start_that_misses_twice_says_what_to_do_in_one_line(monkeypatch):
+    flaky = FlakyRay(misses=2)
+    monkeypatch.setattr(fleet.ray, "init", flaky.init)
+    monkeypatch.setattr(fleet.ray, "shutdown", flaky.shutdown)
+    with pytest.raises(fleet.RayDidNotStart, match="too busy") as failed:
+        fleet.start_ray(2)
+    assert flaky.inits == 2 and "\n" not in str(failed.value)
+
+
+def test_any_other_ray_error_is_not_retried(monkeypatch):
+    flaky = FlakyRay(misses=1, error="num_cpus must be positive")
+    monkeypatch.setattr(fleet.ray, "init", flaky.init)
+    monkeypatch.setattr(fleet.ray, "shutdown", flaky.shutdown)
+    with pytest.raises(Exception, match="num_cpus must be positive"):
+        fleet.start_ray(2)
+    assert flaky.inits == 1
+
+
 # --- the scaling decision (Exercise 11.2) ---------------------------------------------------------
 
 
@@ -468,6 +517,14 @@ def test_the_demo_reads_its_burst_and_draws_it(tmp_path):
                       demo.Stream(0.5, 503, 0.55, retry_after="1", code="overloaded"),
                       demo.Stream(5.5, 200, 5.6, 6.0, "c")]
     assert (record.decision_s(), record.running_s()) == (1.0, 5.0)  # a third replica asked for, then running
+    # serve.status() read late: the third replica's first answer (5.6 s) says it ran before the status did.
+    late = demo.BurstRecord("small", initial_replicas=2, target_queue_depth=4, max_ongoing_requests=4,
+                            max_queued_requests=12, stopped_s=9.0, streams=record.streams,
+                            samples=[*record.samples[:2], demo.Sample(8.0, {"RUNNING": 3}, "HEALTHY", "", 6)])
+    assert late.running_s() == 5.6
+    late.samples = record.samples[:2]  # never said to run, and never answered: it did not run
+    late.streams = record.streams[:3]
+    assert late.running_s() is None
     assert [record.waiting(s) for s in record.samples] == [12, 11, 0]  # in flight past 4 per running replica
     assert demo.plot_burst(record, tmp_path / "burst.png").read_bytes()[:4] == b"\x89PNG"
 
