@@ -256,7 +256,9 @@ def test_preemptions_and_chunks_under_overlap_keep_the_tokens(model_dir, engines
     small = make_engine(FOLDER, model_dir, speculative="off", kv_cache_mb=8, max_num_batched_tokens=64,
                         device_thread="on")
     prompts = prompts_of(small)
-    assert small.generate_offline(prompts, GREEDY) == synchronous.generate_offline(prompts, GREEDY)
+    seeded = [sampler.SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=i) for i in range(len(prompts))]
+    for params in (GREEDY, seeded):  # a preempted sequence draws on from its own generator, where it left off
+        assert small.generate_offline(prompts, params) == synchronous.generate_offline(prompts, params)
     stats = small.stats()
     assert stats.preemptions > 0 and stats.overlap.overlapped > 0
     assert stats.kv_blocks.used == 0 and small.in_flight is None
