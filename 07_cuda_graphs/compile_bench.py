@@ -3,8 +3,7 @@ C++ backend) against the same step eager, at a few bucket sizes.
 
     python -m 07_cuda_graphs.compile_bench          # -> results/cpu/07_cuda_graphs_compile.json
 
-(A later stage's copy, ``python -m NN_name.compile_bench``, compiles that stage's step, into
-``results/cpu/NN_name_compile.json``.)
+(``--stage NN`` compiles a later stage's step instead, into ``results/cpu/NN_name_compile.json``.)
 
 Each way compiles the step once per bucket (``dynamic=False``: one graph per shape, as with CUDA graphs):
 
@@ -24,30 +23,29 @@ states move from eager's (fusing the small operators changes the order of some f
 from __future__ import annotations
 
 import argparse
+import importlib
 import shlex
 import sys
 import time
 from datetime import UTC, datetime
+from types import ModuleType
 from typing import Any
 
 import torch
 
-from common.bench import RESULTS, dumps, git_state, machine_info
+from common.bench import RESULTS, dumps, git_state, machine_info, stage_folder
 from common.weights import DEFAULT_MODEL
 
-from . import attention
-from .config import EngineConfig
-from .engine import Engine
-from .model_runner import StepInput
-from .step_bench import bucket_of, decode_step, time_ms
+from .step_bench import bucket_of, decode_step, stage_parts, time_ms
 
-FOLDER = __package__  # this stage's folder, 07_cuda_graphs (or a later stage's, in its copy)
+FOLDER = __package__  # 07_cuda_graphs: the stage compiled unless --stage names a later one
 MODES = ["plain", "opaque_attention", "freezing"]
 
 
-def make_attention_opaque() -> None:
-    """Register the stage's reference K/V write and decode attention as custom operators, and put them where
-    ``paged_attention`` looks them up: dynamo then treats each as one call with a known output shape."""
+def make_attention_opaque(attention: ModuleType) -> None:
+    """Register the stage's reference K/V write and decode attention (from its ``attention`` module) as custom
+    operators, and put them where ``paged_attention`` looks them up: dynamo then treats each as one call with a
+    known output shape."""
     write_kv, decode = attention.write_kv, attention.decode_attention_reference
 
     @torch.library.custom_op("course::decode_attention", mutates_args=())
@@ -111,20 +109,23 @@ def measure(engine: Any, step_input: type, mode: str, batch_sizes: list[int], co
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog=f"python -m {FOLDER}.compile_bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stage", help=f"the stage to compile, 07 or later (default: {FOLDER[:2]}, this one)")
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=MODES)
     args = parser.parse_args(argv)
+    folder = stage_folder(args.stage) if args.stage else FOLDER
+    Engine, EngineConfig, StepInput = stage_parts(folder)  # noqa: N806 (classes)
     engine = Engine(EngineConfig(model=args.model, device="cpu", dtype="float32", max_num_seqs=max(args.batch_sizes)))
     rows: list[dict[str, Any]] = []
     with torch.inference_mode():
         for mode in [mode for mode in MODES if mode in args.modes]:  # plain first: the others patch attention
             if mode == "opaque_attention" or (mode == "freezing" and "opaque_attention" not in args.modes):
-                make_attention_opaque()
+                make_attention_opaque(importlib.import_module(f"{folder}.attention"))
             rows += measure(engine, StepInput, mode, args.batch_sizes, args.context, args.repeats)
-    result = {"name": f"{FOLDER}_compile", "stage": FOLDER, "device": "cpu", "dtype": "float32",
+    result = {"name": f"{folder}_compile", "stage": folder, "device": "cpu", "dtype": "float32",
               "context": args.context, "machine": machine_info("cpu"), "command": shlex.join(sys.orig_argv),
               **git_state(), "date": datetime.now(UTC).isoformat(timespec="seconds"), "steps": rows}
     out = RESULTS / "cpu" / f"{result['name']}.json"

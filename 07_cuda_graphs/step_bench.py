@@ -3,8 +3,10 @@ static buffers of stage 07 (a replayed CUDA graph on a GPU, the same computation
 
     python -m 07_cuda_graphs.step_bench                       # on this machine's default device
     python -m 07_cuda_graphs.step_bench --device cuda --profile
+    python -m 07_cuda_graphs.step_bench --stage 09               # a later stage's engine, the same steps
 
-It measures the stage it sits in (a later stage's copy, ``python -m NN_name.step_bench``, measures that stage).
+It lives here only, beside the lesson it measures: ``--stage NN`` loads stage NN's engine instead (any stage
+from 07 on), so a later stage measures its own decode step without a copy of this file.
 
 Each step decodes one token for ``batch_size`` sequences of ``context`` tokens; it writes no K/V (slot -1)
 and reads block 0 over and over, so it has a real step's shape and needs no requests. For each batch size
@@ -16,6 +18,7 @@ many operators it runs, and how much of its time is inside them against outside 
 from __future__ import annotations
 
 import argparse
+import importlib
 import shlex
 import statistics
 import sys
@@ -26,15 +29,21 @@ from typing import Any
 
 import torch
 
-from common.bench import RESULTS, device_and_dtype, dumps, git_state, machine_info
+from common.bench import RESULTS, device_and_dtype, dumps, git_state, machine_info, stage_folder
 from common.weights import DEFAULT_MODEL
 
-from .config import EngineConfig
-from .engine import Engine
-from .model_runner import StepInput
-
-STAGE = __package__  # this stage's folder, 07_cuda_graphs (or a later stage's, in its copy)
+STAGE = __package__  # 07_cuda_graphs: the stage measured unless --stage names a later one
 BATCH_SIZES = [1, 2, 4, 8, 16, 17, 32, 48, 64]
+
+
+def stage_parts(folder: str) -> tuple[type, type, type]:
+    """Stage ``folder``'s ``Engine``, ``EngineConfig`` and ``StepInput``: what a step benchmark drives. (A folder
+    name starts with a digit, so ``import`` cannot name it: importlib can.)"""
+    if int(folder[:2]) < int(STAGE[:2]):
+        raise SystemExit(f"error: {folder} has no static buffers to measure: a stage from {STAGE} on")
+    engine, config, runner = (importlib.import_module(f"{folder}.{name}") for name in ("engine", "config",
+                                                                                       "model_runner"))
+    return engine.Engine, config.EngineConfig, runner.StepInput
 
 
 def decode_step(step_input: type, batch_size: int, context: int, block_size: int) -> Any:
@@ -101,6 +110,7 @@ def profile_step(run: Callable[[], Any], device: torch.device) -> dict[str, Any]
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog=f"python -m {STAGE}.step_bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stage", help=f"the stage to measure, 07 or later (default: {STAGE[:2]}, this one)")
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -111,6 +121,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--name", help="the result file's name (default: NN_name_decode_steps)")
     args = parser.parse_args(argv)
     device, dtype = device_and_dtype(args.device, args.dtype)
+    folder = stage_folder(args.stage) if args.stage else STAGE
+    Engine, EngineConfig, StepInput = stage_parts(folder)  # noqa: N806 (classes)
     engine = Engine(EngineConfig(model=args.model, device=device, dtype=dtype, max_num_seqs=max(args.batch_sizes)))
     runner, graphs = engine.runner, engine.runner.capture_seconds is not None
     block_size = engine.kv_cache.shape.block_size
@@ -135,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
                     p = profiles[key]
                     print(f"{key}: {p['aten_calls']} aten calls, {p['aten_self_cpu_ms']:.1f} ms inside them of "
                           f"{p['wall_ms_under_profiler']:.1f} ms (under the profiler)", flush=True)
-    result = {"name": args.name or f"{STAGE}_decode_steps", "stage": STAGE, "device": device, "dtype": dtype,
+    result = {"name": args.name or f"{folder}_decode_steps", "stage": folder, "device": device, "dtype": dtype,
               "context": args.context, "capture_seconds": engine.runner.capture_seconds,
               "graph_memory_bytes": engine.runner.graph_memory_bytes, "buckets": runner.sizes,
               "machine": machine_info(device), "command": shlex.join(sys.orig_argv), **git_state(),

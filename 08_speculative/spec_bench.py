@@ -3,8 +3,8 @@
     python -m 08_speculative.spec_bench                 # the full run: results/<device>/08_speculative.json + .png
     python -m 08_speculative.spec_bench --quick         # a short check: results/quick/
 
-A later stage's copy (``python -m NN_name.spec_bench``) measures that stage against stage 07 instead, into
-``NN_speculative.json``.
+``--stage NN`` measures a later stage against stage 07 instead, into ``NN_speculative.json``: the benchmark
+lives here only, beside the lesson it measures.
 
 Two workloads of chat requests (greedy, up to 128 tokens, ending at EOS: every configuration produces the
 same tokens, so the same work):
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 from contextlib import ExitStack
 from datetime import UTC, datetime
@@ -35,13 +36,12 @@ from typing import Any
 
 import httpx
 
-from common.bench import RESULTS, git_state, machine_info, stage_command, stage_server
+from common.bench import RESULTS, git_state, machine_info, stage_command, stage_folder, stage_server
 from common.loadgen import Workload, run_level, warm_up
 from common.net import free_port
 from common.weights import DEFAULT_MODEL, load_tokenizer, resolve_model
 
-STAGE = __package__  # this stage's folder, 08_speculative (or a later stage's, in its copy)
-NUMBER = STAGE[:2]  # "08": the stage measured against stage 07, its label and its result files' prefix
+STAGE = __package__  # 08_speculative: the stage measured against stage 07 unless --stage names a later one
 
 CODE_AREA = '''def area(width, height):
     """The area of a rectangle."""
@@ -88,11 +88,11 @@ LEVELS = [1, 4, 16]
 KS = [2, 4, 8]
 
 
-def configurations(ks: list[int], proposers: list[str]) -> list[tuple[str, str, list[str]]]:
-    """(label, stage, its extra server flags): stage 07, then this stage with each proposer and k."""
+def configurations(number: str, ks: list[int], proposers: list[str]) -> list[tuple[str, str, list[str]]]:
+    """(label, stage, its extra server flags): stage 07, then stage ``number`` ("08") with each proposer and k."""
     configs = [("07", "07", [])]
     for proposer in proposers:
-        configs += [(f"{NUMBER} {proposer} k={k}", NUMBER,
+        configs += [(f"{number} {proposer} k={k}", number,
                      ["--speculative", proposer, "--num-speculative-tokens", str(k)]) for k in ks]
     return configs
 
@@ -159,15 +159,15 @@ def plot(result: dict[str, Any], out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
-def alternating_rounds(model: str, rounds: int, k: int = 4) -> dict[str, Any]:
-    """Concurrency 1 without the server, in one process: this stage's engine with guesses off (stage 07's decoding)
-    and on (n-gram, k), alternating ``rounds`` times per workload, so that a drift of the machine's speed hits both
-    alike. Each round generates every prompt of the workload once, one at a time."""
+def alternating_rounds(folder: str, model: str, rounds: int, k: int = 4) -> dict[str, Any]:
+    """Concurrency 1 without the server, in one process: stage ``folder``'s engine with guesses off (stage 07's
+    decoding) and on (n-gram, k), alternating ``rounds`` times per workload, so that a drift of the machine's speed
+    hits both alike. Each round generates every prompt of the workload once, one at a time."""
     import time
 
-    from .config import EngineConfig
-    from .engine import Engine
-    from .sampler import SamplingParams
+    EngineConfig = importlib.import_module(f"{folder}.config").EngineConfig  # noqa: N806 (classes)
+    Engine = importlib.import_module(f"{folder}.engine").Engine  # noqa: N806
+    SamplingParams = importlib.import_module(f"{folder}.sampler").SamplingParams  # noqa: N806
 
     engine = Engine(EngineConfig(model=model, device="cpu", dtype="float32", speculative="ngram",
                                  num_speculative_tokens=k))
@@ -189,6 +189,7 @@ def alternating_rounds(model: str, rounds: int, k: int = 4) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=f"python -m {STAGE}.spec_bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stage", help=f"the stage measured against 07, 08 or later (default: {STAGE[:2]}, this one)")
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -197,18 +198,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="folder for the JSON and PNG (default: results/<device>/)")
     parser.add_argument("--alternating-rounds", type=int, metavar="N",
                         help="instead: concurrency 1 in one process, guesses off and on alternating N times per "
-                             f"workload -> {NUMBER}_speculative_alternating.json")
+                             "workload -> NN_speculative_alternating.json")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    folder = stage_folder(args.stage) if args.stage else STAGE
+    number = folder[:2]  # "08": the stage measured against stage 07, its label and its result files' prefix
     levels, ks, proposers = ([1, 4], [4], ["ngram"]) if args.quick else (LEVELS, KS, ["ngram", "draft"])
     out = args.out or RESULTS / ("quick" if args.quick else args.device)
     out.mkdir(parents=True, exist_ok=True)
     if args.alternating_rounds:
-        rates = alternating_rounds(args.model, args.alternating_rounds)
-        path = out / f"{NUMBER}_speculative_alternating.json"
+        rates = alternating_rounds(folder, args.model, args.alternating_rounds)
+        path = out / f"{number}_speculative_alternating.json"
         path.write_text(json.dumps({"date": datetime.now(UTC).isoformat(timespec="seconds"),
                                     "machine": machine_info("cpu"), "git": git_state(), "max_tokens": MAX_TOKENS,
                                     "workloads": WORKLOADS, "output_tokens_per_s": rates}, indent=1) + "\n")
@@ -221,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     runs = []
     with ExitStack() as servers:
         urls = {}
-        for label, stage, flags in configurations(ks, proposers):
+        for label, stage, flags in configurations(number, ks, proposers):
             port = free_port()
             urls[label] = f"http://127.0.0.1:{port}"
             servers.enter_context(stage_server(stage_command(stage, port, args.model, args.device, args.dtype) + flags,
@@ -241,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": machine_info(args.device),
               "git": git_state(), "dtype": args.dtype, "levels": levels,
               "max_tokens": MAX_TOKENS, "requests_per_level": args.requests, "workloads": WORKLOADS, "runs": runs}
-    path = out / f"{NUMBER}_speculative.json"
+    path = out / f"{number}_speculative.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     plot(result, path.with_suffix(".png"))
     print(f"\n{'config':<16} {'workload':<11} {'c':>3} {'tok/s':>7} {'x 07':>6} {'accept':>7} {'len':>5}")

@@ -2,6 +2,7 @@
 
     python -m 09_tensor_parallel.tp_bench             # writes results/cpu/09_tensor_parallel.json (a few minutes)
     python -m 09_tensor_parallel.tp_bench --quick     # fewer repeats and sizes, into results/quick/ (CI)
+    python -m 09_tensor_parallel.tp_bench --stage 10  # a later stage's engine, into results/cpu/NN_name.json
 
 Two models. SmolLM2-135M itself splits only 1 or 3 ways (9 query heads, 3 KV heads), so beside it runs a
 random-weight *twin* with its hidden size, layers, MLP and vocabulary but 12 query heads of 48 dimensions
@@ -18,6 +19,7 @@ processes time all-reduces alone, the latency the README's model uses.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -27,11 +29,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common.bench import RESULTS, git_state, machine_info
+from common.bench import RESULTS, git_state, machine_info, stage_folder
 from common.net import free_port
 from common.weights import DEFAULT_MODEL, resolve_model
 
-STAGE = __package__  # this stage's folder, 09_tensor_parallel (or a later stage's, in its copy)
+STAGE = __package__  # 09_tensor_parallel: the stage measured unless --stage names a later one
 CONTEXT = 256  # tokens of context of each decoding sequence, and of the prefill
 COLLECTIVES = ("all_reduce", "gather", "broadcast_object_list")
 TWIN = {"num_attention_heads": 12, "num_key_value_heads": 6, "head_dim": 48}  # SmolLM2's shapes otherwise
@@ -122,13 +124,14 @@ def prefill_step(step_input: type, block_size: int) -> Any:
                       [table], [CONTEXT - 1], [], [0])
 
 
-def measure_engine(model: Path, size: int, repeats: int, batches: list[int]) -> dict[str, Any]:
-    """Memory per rank and, per kind of step, its median time and rank 0's time in collectives."""
+def measure_engine(folder: str, model: Path, size: int, repeats: int, batches: list[int]) -> dict[str, Any]:
+    """Stage ``folder``'s engine at ``size`` ranks: memory per rank and, per kind of step, its median time and rank
+    0's time in collectives."""
     import torch
 
-    from .config import EngineConfig
-    from .engine import Engine
-    from .model_runner import StepInput
+    EngineConfig = importlib.import_module(f"{folder}.config").EngineConfig  # noqa: N806 (classes)
+    Engine = importlib.import_module(f"{folder}.engine").Engine  # noqa: N806
+    StepInput = importlib.import_module(f"{folder}.model_runner").StepInput  # noqa: N806
 
     engine = Engine(EngineConfig(model=str(model), device="cpu", dtype="float32", kv_cache_mb=512,
                                  max_num_seqs=max(batches), tensor_parallel_size=size, speculative="off"))
@@ -203,10 +206,12 @@ def all_reduce_latency(size: int, hidden: int, tokens: list[int]) -> dict[str, f
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog=f"python -m {STAGE}.tp_bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--stage", help=f"the stage to measure, 09 or later (default: {STAGE[:2]}, this one)")
     parser.add_argument("--quick", action="store_true", help="2 repeats, batch 1 only, into results/quick/")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", type=Path, help="folder for the JSON (default results/cpu/)")
     args = parser.parse_args(argv)
+    folder = stage_folder(args.stage) if args.stage else STAGE
     repeats, batches = (2, [1]) if args.quick else (args.repeats, [1, 16])
     model_dir = resolve_model(DEFAULT_MODEL)
     results: dict[str, Any] = {"machine": machine_info("cpu"), **git_state(), "context": CONTEXT, "models": {},
@@ -216,14 +221,14 @@ def main(argv: list[str] | None = None) -> None:
         for label, model, sizes in (("SmolLM2-135M", model_dir, [1, 3]),
                                     ("twin: 12 query heads, 6 KV heads", twin, [1, 2, 3])):
             print(f"{label}:", flush=True)
-            results["models"][label] = {str(n): measure_engine(model, n, repeats, batches) for n in sizes}
+            results["models"][label] = {str(n): measure_engine(folder, model, n, repeats, batches) for n in sizes}
     hidden = json.loads((model_dir / "config.json").read_text())["hidden_size"]
     for size in (2, 3):
         results["all_reduce_us"][str(size)] = all_reduce_latency(size, hidden, [1, 16, CONTEXT])
         print(f"all-reduce among {size} processes, us by rows: {results['all_reduce_us'][str(size)]}", flush=True)
     out_dir = args.out or (RESULTS / "quick" / "cpu" if args.quick else RESULTS / "cpu")
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{STAGE}.json"
+    path = out_dir / f"{folder}.json"
     path.write_text(json.dumps(results, indent=2) + "\n")
     print(f"Wrote {path}")
 

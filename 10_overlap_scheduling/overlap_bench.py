@@ -3,6 +3,7 @@ overlapping, and overlapping with the CPU's device thread (--device-thread on), 
 
     python -m 10_overlap_scheduling.overlap_bench            # results/cpu/10_overlap_scheduling_offline.json
     python -m 10_overlap_scheduling.overlap_bench --quick    # 8 sequences, one round, into results/quick/ (CI)
+    python -m 10_overlap_scheduling.overlap_bench --stage 11 # a later stage's engine in this stage's place
 
 A served sweep on a 2-core machine moves by a fifth from run to run (other processes, the client on the same
 cores); here the three engines take turns within each round, so that the machine's drift falls on all three
@@ -22,11 +23,11 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from common.bench import RESULTS, git_state, machine_info
+from common.bench import RESULTS, git_state, machine_info, stage_folder
 from common.trace import StepClock
 from common.weights import DEFAULT_MODEL, resolve_model
 
-STAGE = __package__  # this stage's folder, 10_overlap_scheduling (or a later stage's, in its copy)
+STAGE = __package__  # 10_overlap_scheduling: the stage measured unless --stage names a later one
 BEFORE = "09_tensor_parallel"  # the stage whose loop this one overlaps
 PROMPTS = ["The history of the Roman Empire", "def fibonacci(n):", "1. Apples\n2.", "The three laws of thermodynamics"]
 
@@ -66,37 +67,41 @@ def run_batch(engine, folder: str, num_seqs: int, max_tokens: int, tag: str) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog=f"python -m {STAGE}.overlap_bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--stage", help=f"the stage to measure, 10 or later (default: {STAGE[:2]}, this one)")
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--quick", action="store_true", help="8 sequences of 16 tokens, one round, into results/quick/")
     parser.add_argument("--seqs", type=int, nargs="+", default=[1, 16, 64], help="batch sizes, each in every round")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
+    folder = stage_folder(args.stage) if args.stage else STAGE
+    label = f"stage {folder[:2]}"
     seqs, max_tokens, rounds = ([8], 16, 1) if args.quick else (args.seqs, args.max_tokens, args.rounds)
     model = str(resolve_model(args.model))
     machine = machine_info("cpu")  # before the engines load: the load average is the machine's, not ours
     engines = {"stage 09": (BEFORE, make_engine(BEFORE, model)),
-               "stage 10, --disable-overlap": (STAGE, make_engine(STAGE, model, disable_overlap=True)),
-               "stage 10": (STAGE, make_engine(STAGE, model)),
-               "stage 10, --device-thread on": (STAGE, make_engine(STAGE, model, device_thread="on"))}
+               f"{label}, --disable-overlap": (folder, make_engine(folder, model, disable_overlap=True)),
+               label: (folder, make_engine(folder, model)),
+               f"{label}, --device-thread on": (folder, make_engine(folder, model, device_thread="on"))}
     runs = []
     for round_ in range(rounds):
         for num_seqs in seqs:
-            for name, (folder, engine) in engines.items():
+            for name, (stage, engine) in engines.items():
                 tag = f"r{round_}-{num_seqs}"
-                runs.append({"engine": name, "round": round_, **run_batch(engine, folder, num_seqs, max_tokens, tag)})
+                runs.append({"engine": name, "round": round_, **run_batch(engine, stage, num_seqs, max_tokens, tag)})
                 print(f"round {round_} {name}: {runs[-1]}")
     median = {f"{name}, {n} seqs": statistics.median(r["tokens_per_s"] for r in runs
                                                      if r["engine"] == name and r["seqs"] == n)
               for n in seqs for name in engines}
-    out = RESULTS / ("quick" if args.quick else "") / "cpu" / f"{STAGE}_offline.json"
+    out = RESULTS / ("quick" if args.quick else "") / "cpu" / f"{folder}_offline.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
-        "name": out.stem, "stage": STAGE, "before": BEFORE, "model": args.model, "device": "cpu", "dtype": "float32",
+        "name": out.stem, "stage": folder, "before": BEFORE, "model": args.model, "device": "cpu", "dtype": "float32",
         "workload": {"seqs": seqs, "max_tokens": max_tokens, "rounds": rounds, "prompts": PROMPTS,
                      "speculative": "the engines' default (ngram, cost policy)"},
         "machine": machine, **git_state(), "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "command": f"python -m {STAGE}.overlap_bench" + (" --quick" if args.quick else ""),
+        "command": f"python -m {STAGE}.overlap_bench" + (f" --stage {args.stage}" if args.stage else "")
+                   + (" --quick" if args.quick else ""),
         "median_tokens_per_s": median, "runs": runs}, indent=1) + "\n")
     print(f"median tokens/s: {median}\nWrote {out}")
 

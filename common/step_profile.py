@@ -4,12 +4,12 @@
     python -m common.step_profile --stage 07 --device cuda                  # batch 1, 16, 64; median of 20
     python -m common.step_profile --stage 09 --device cuda --batch-sizes 1 64 --out results/cuda/nvidia-h200
 
-It drives the stage's own step benchmark (``NN_name/step_bench.py``: its decode step, its bucket rule, its timer)
-on the stage's own Engine, and adds what the speed part needs of it: every batch size profiled on both paths
-(``torch.profiler``), with the GPU's kernels of one step by name (how many launches of each, their time), and the
-result filed under the GPU's name (``results/cuda/<gpu>/NN_name_decode_steps.json``) with the GPU's name, the
-torch, triton and transformers versions and the commit, so that one GPU's run never overwrites another's. The
-file has the step benchmark's own keys (``steps``, ``profiles``...), so whatever reads one reads this.
+It drives the step benchmark (``07_cuda_graphs/step_bench.py``, beside the lesson it measures: its decode step,
+its bucket rule, its timer) on the stage's own Engine, and adds what the speed part needs of it: every batch size
+profiled on both paths (``torch.profiler``), with the GPU's kernels of one step by name (how many launches of each,
+their time), and the result filed under the GPU's name (``results/cuda/<gpu>/NN_name_decode_steps.json``) with
+the GPU's name, the torch, triton and transformers versions and the commit, so that one GPU's run never overwrites
+another's. The file has the step benchmark's own keys (``steps``, ``profiles``...), so whatever reads one reads this.
 """
 
 from __future__ import annotations
@@ -22,12 +22,14 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from .gpu_env import environment, results_dir
 from .throughput import latest_stage, stage_folder
 from .weights import DEFAULT_MODEL
 
+REPO = Path(__file__).resolve().parents[1]
 BATCH_SIZES = [1, 16, 64]
 REPEATS = 20
 
@@ -76,21 +78,27 @@ def profile_step(run: Callable[[], Any], device: Any) -> dict[str, Any]:
     return result
 
 
+def step_bench() -> ModuleType:
+    """The step benchmark: the first stage's with static buffers (07's), the one place it lives."""
+    harness = min(path.parent.name for path in REPO.glob("[0-9][0-9]_*/step_bench.py"))
+    return importlib.import_module(f"{harness}.step_bench")
+
+
 def measure(folder: str, model: str, device: str, dtype: str, batch_sizes: list[int], repeats: int, context: int,
             profile: bool) -> dict[str, Any]:
     """The stage's decode step at each batch size, eager and from its static buffers (a replayed graph on CUDA)."""
     import torch
 
-    bench = importlib.import_module(f"{folder}.step_bench")
-    engine = bench.Engine(bench.EngineConfig(model=model, device=device, dtype=dtype,
-                                             max_num_seqs=max(batch_sizes)))
+    bench = step_bench()
+    Engine, EngineConfig, StepInput = bench.stage_parts(folder)  # noqa: N806 (classes)
+    engine = Engine(EngineConfig(model=model, device=device, dtype=dtype, max_num_seqs=max(batch_sizes)))
     try:
         runner = engine.runner
         block_size = engine.kv_cache.shape.block_size
         rows, profiles = [], {}
         with torch.inference_mode():
             for batch_size in batch_sizes:
-                step = bench.decode_step(bench.StepInput, batch_size, context, block_size)
+                step = bench.decode_step(StepInput, batch_size, context, block_size)
                 bucket = bench.bucket_of(batch_size, runner.sizes)
                 paths = {"eager": lambda: runner.run_eager(step), "static": lambda: runner.execute(step)}  # noqa: B023
                 times = {name: bench.time_ms(run, engine.device, repeats) for name, run in paths.items()}

@@ -592,7 +592,7 @@ def test_bench_open_loop_against_an_outside_server_has_no_queueing_and_says_why(
 
 def test_spec_bench_compares_every_configuration_with_stage_07_at_the_same_level_and_workload(tmp_path):
     spec_bench = stage("08_speculative", "spec_bench")
-    configs = spec_bench.configurations([2, 4], ["ngram", "draft"])
+    configs = spec_bench.configurations("08", [2, 4], ["ngram", "draft"])
     assert [label for label, _, _ in configs] == ["07", "08 ngram k=2", "08 ngram k=4", "08 draft k=2", "08 draft k=4"]
     assert configs[2][2] == ["--speculative", "ngram", "--num-speculative-tokens", "4"]
     runs = [{"config": c, "workload": w, "concurrency": n, "output_tokens_per_s": tps}
@@ -607,13 +607,18 @@ def test_spec_bench_compares_every_configuration_with_stage_07_at_the_same_level
     assert (tmp_path / "s.png").read_bytes().startswith(PNG_MAGIC)
 
 
-def test_a_later_stages_copy_of_a_benchmark_measures_that_stage():
-    """The benchmarks sit in the stage they measure and are copied forward unchanged: each finds its stage from
-    its package, so stage 09's copy of spec_bench compares stage 09 with stage 07."""
-    configs = stage("09_tensor_parallel", "spec_bench").configurations([4], ["ngram"])
+def test_a_benchmark_measures_a_later_stage_named_by_its_number():
+    """A harness lives only beside the lesson it measures; ``--stage NN`` loads stage NN's modules instead, so stage
+    09's decode step is timed on stage 09's own engine and spec_bench compares stage 09 with stage 07."""
+    step_bench = stage("07_cuda_graphs", "step_bench")
+    engine, config, step_input = step_bench.stage_parts("09_tensor_parallel")
+    assert (engine.__module__, config.__module__, step_input.__module__) == (
+        "09_tensor_parallel.engine", "09_tensor_parallel.config", "09_tensor_parallel.model_runner")
+    with pytest.raises(SystemExit, match="no static buffers"):  # stage 06 has no runner.sizes or run_eager
+        step_bench.stage_parts("06_chunked_prefill")
+    configs = stage("08_speculative", "spec_bench").configurations("09", [4], ["ngram"])
     assert configs == [("07", "07", []),
                        ("09 ngram k=4", "09", ["--speculative", "ngram", "--num-speculative-tokens", "4"])]
-    assert stage("09_tensor_parallel", "tp_bench").STAGE == "09_tensor_parallel"
 
 
 # --- make peer: the latest stage against transformers serve (common/peer.py) ----------------------------------

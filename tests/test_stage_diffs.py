@@ -37,6 +37,13 @@ def test_a_stage_changes_only_its_lesson_files(previous, current):
     assert lesson <= changed, f"{sorted(lesson - changed)} no longer differ: tidy {current}'s changes"
 
 
+@pytest.mark.parametrize("harness", sorted(TOOLING))
+def test_a_benchmark_harness_lives_only_beside_the_lesson_it_measures(harness):
+    """A later stage measures itself with the teaching stage's harness and ``--stage NN``, not with a copy."""
+    holders = [folder for folder in STAGES if harness in files(folder)]
+    assert len(holders) == 1, f"{harness} is in {holders}: keep the first, and run it with --stage NN"
+
+
 @pytest.mark.parametrize(("previous", "current"), PAIRS, ids=STAGES[1:])
 def test_a_stage_changes_only_its_lesson_definitions(previous, current):
     allowed = BY_FOLDER[current].may_change
