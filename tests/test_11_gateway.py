@@ -11,6 +11,8 @@ import functools
 import inspect
 import json
 import random
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +22,7 @@ from types import SimpleNamespace
 import httpx
 import psutil
 import pytest
+import ray
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
 from ray.serve.request_router import PendingRequest, ReplicaID
 
@@ -428,6 +431,22 @@ def test_a_ray_start_that_misses_twice_says_what_to_do_in_one_line(monkeypatch):
     with pytest.raises(fleet.RayDidNotStart, match="too busy") as failed:
         fleet.start_ray(2)
     assert flaky.inits == 2 and "\n" not in str(failed.value)
+
+
+def test_ray_starts_while_other_processes_keep_every_core_busy():
+    """What a busy laptop met: Ray's node has 30 s (fixed in Ray) to register, and a learner's machine is rarely
+    idle. A busy loop per core holds the whole machine while the fleet's Ray starts, and it still comes up."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(psutil.cpu_count() or 2)]
+    try:
+        assert not ray.is_initialized()
+        fleet.start_ray(2)
+        assert ray.cluster_resources()["CPU"] == 2
+        assert all(process.poll() is None for process in busy)  # the cores stayed busy the whole time
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
+        ray.shutdown()
 
 
 def test_any_other_ray_error_is_not_retried(monkeypatch):

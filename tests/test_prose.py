@@ -6,6 +6,7 @@ afterwards. They read files only (no model, no server) and take well under a sec
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import re
@@ -173,3 +174,83 @@ def test_a_result_file_names_the_stage_and_the_module_that_made_it(path):
             parts = module.split(".")
             candidates = [REPO.joinpath(*parts).with_suffix(".py"), REPO.joinpath(*parts) / "__main__.py"]
             assert any(candidate.exists() for candidate in candidates), f"{path.name}: no module {module}"
+
+
+# --- the numbers quoted beside a result file ---------------------------------------------------------------------
+# A number in the prose comes from a committed file, and the prose names the file beside it. The check reads a
+# paragraph (joined across its line breaks) in clauses (split at ";" and at each sentence's end); a clause that names
+# a result file (`results/cpu/x.json`, `x.json`, or `_suffix.json` after a file whose stage it shares) has each of
+# its decimal numbers checked against every value of every result file its paragraph names, at its printed rounding
+# and in the units prose converts to (s to ms, a share to %, bytes to MiB). Ratios ("1.5x", "1.1-1.7x", "2.7 times")
+# and shares ("80%") are worked out from two values, so they are not looked up; neither are whole numbers (counts).
+RESULT_FILES = {str(path.relative_to(REPO)): path for path in (REPO / "results").glob("**/*.json")}
+RESULTS_BY_NAME: dict[str, list[str]] = {}  # x.json -> every results/.../x.json
+for _name, _path in RESULT_FILES.items():
+    RESULTS_BY_NAME.setdefault(_path.name, []).append(_name)
+FILE_REFERENCE = re.compile(r"`((?:results/)?[\w./-]*?[\w-]+\.json|_[\w-]+)`")
+DECIMAL = re.compile(r"(?<![\w.,/-])(\d{1,3}(?:,\d{3})+\.\d+|\d+\.\d+)"  # 1,234.5 or 0.76, not 1.2.3 or v2.13
+                     r"(?![\w.]|-[\d.]+\s*x\b|\s*(?:x\b|%|-fold|times\b))")  # not a ratio or a share
+CLAUSE_END = re.compile(r";|(?<=[.!?:])\s+(?=[A-Z*(`])")
+UNITS = (1, 1000, 1e-3, 100, 1e-6, 1e-9, 2**-20, 2**-30)  # as is, s -> ms, ms -> s, share -> %, bytes -> MB, MiB, GiB
+
+
+def numbers_of(value: object) -> list[float]:
+    if isinstance(value, dict):
+        return [number for item in value.values() for number in numbers_of(item)]
+    if isinstance(value, list):
+        return [number for item in value for number in numbers_of(item)]
+    return [float(value)] if isinstance(value, int | float) and not isinstance(value, bool) else []
+
+
+@functools.cache
+def values_in(name: str) -> tuple[float, ...]:
+    return tuple(numbers_of(json.loads(RESULT_FILES[name].read_text())))
+
+
+def result_files_named(text: str) -> list[str]:
+    """The committed result files ``text`` names, in order; a suffix (`_hop.json`, `_ab10_1`) after
+    `results/cpu/11_gateway_x.json` is the file of the same stage and folder: `results/cpu/11_gateway_hop.json`."""
+    found: list[str] = []
+    for reference in FILE_REFERENCE.findall(text):
+        name = reference.rsplit("/", 1)[-1]
+        if reference.startswith("_") and found:
+            folder, before = found[-1].rsplit("/", 1)
+            stage = next((stage for stage in STAGES if before.startswith(stage)), "")
+            name = f"{folder}/{stage}{reference.removesuffix('.json')}.json"
+            found += [name] if stage and name in RESULT_FILES else []
+        elif reference in RESULT_FILES:
+            found.append(reference)
+        elif not reference.startswith("results/"):
+            found += RESULTS_BY_NAME.get(name, [])
+    return found
+
+
+def shown(number: str, values: tuple[float, ...]) -> bool:
+    """Whether ``number`` (as printed, "1,234.5") is one of ``values`` at its rounding, in one of the UNITS."""
+    x, decimals = float(number.replace(",", "")), len(number.split(".")[1])
+    tolerance = 0.5 * 10**-decimals + 1e-9
+    return any(abs(value * unit - x) <= tolerance for value in values for unit in UNITS)
+
+
+def quoted_numbers() -> list[tuple[str, str, list[str], str]]:
+    """(where, number, the files its paragraph names, its clause) for each decimal quoted beside a result file."""
+    quoted = []
+    for where, text in texts():
+        for paragraph in re.split(r"\n\s*\n", text):
+            flat = " ".join(paragraph.split())
+            files = result_files_named(flat)
+            for clause in CLAUSE_END.split(flat) if files else []:
+                if result_files_named(clause):
+                    quoted += [(where, number, files, clause)
+                               for number in DECIMAL.findall(FILE_REFERENCE.sub("", clause))]
+    return quoted
+
+
+def test_the_numbers_quoted_beside_a_result_file_are_in_the_files_it_names():
+    """"604 ms (`results/cpu/x.json`)" must be a value of x.json: a number from an older run, a figure worked out
+    by hand, or one from a file the paragraph does not name, sends a learner to a file that does not say it."""
+    quoted = quoted_numbers()
+    assert len(quoted) > 50, "the check finds the prose's numbers"
+    missing = [f"{where}: {number} is in none of {files}: {clause[:160]}" for where, number, files, clause in quoted
+               if not shown(number, tuple(value for name in files for value in values_in(name)))]
+    assert not missing, "\n".join(missing)
