@@ -230,7 +230,7 @@ def test_a_disconnected_stream_returns_its_blocks_and_the_server_goes_on(server)
     stream = client.completions.create(model=MODEL, prompt="Count forever:", max_tokens=1000, stream=True,
                                        extra_body={"ignore_eos": True})
     chunks = iter(stream)
-    for _ in range(20):
+    for _ in range(4):  # the answer has begun: its blocks are taken
         next(chunks)
     assert server.metric("llm_kv_blocks_used") > 0
     stream.close()
