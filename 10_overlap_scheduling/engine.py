@@ -368,6 +368,7 @@ class Engine:
         """Why ``batch`` cannot be launched before the step in flight is read (it needs, on the host, a token still on
         the device), or None. Guesses are the technique's own limit; penalties (and a logit bias) counted from the
         host's lists and ranks fed by rank 0's host are this engine's (the README says how others lift them)."""
+        ### BEGIN SOLUTION 10.5
         if self.tp.size > 1:
             return "tensor_parallel"
         if any(seq.num_lookahead_slots for seq in batch.seqs):
@@ -375,6 +376,7 @@ class Engine:
         if any(seq.params.penalized for seq in batch.seqs):
             return "penalties"
         return None
+        ### END SOLUTION
 
     def has_unfinished(self) -> bool:
         """Sequences to run, a step in flight to read, or one scheduled behind it."""

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -366,7 +367,33 @@ def test_a_sequence_never_runs_past_max_tokens_while_its_last_token_is_on_the_de
     assert tiny.stats().preemptions == 0
 
 
-# --- what cannot overlap ---------------------------------------------------------------------------------------
+# --- what cannot overlap (exercise 10.5) ------------------------------------------------------------------------
+engine_module = stage(FOLDER, "engine")
+
+
+def plain(**params) -> SimpleNamespace:
+    """A scheduled sequence as ``sync_reason`` sees it: its reserved guesses and its sampling parameters."""
+    return SimpleNamespace(num_lookahead_slots=0, params=sampler.SamplingParams(**params))
+
+
+@pytest.mark.exercise("10.5")
+@pytest.mark.parametrize(("ranks", "seqs", "reason"), [
+    (1, [plain(), plain(temperature=0.7, seed=3, logprobs=2)], None),  # sampling and logprobs happen on the device
+    (1, [plain(), plain(), SimpleNamespace(num_lookahead_slots=4, params=sampler.SamplingParams())], "speculation"),
+    (1, [plain(), plain(presence_penalty=0.5)], "penalties"),
+    (1, [plain(), plain(logit_bias={11: 2.0})], "penalties"),  # a bias is added from the host's list too
+    (2, [plain()], "tensor_parallel"),  # every rank is fed step N's tokens by rank 0's host
+    (2, [SimpleNamespace(num_lookahead_slots=4, params=sampler.SamplingParams(frequency_penalty=1.0))],
+     "tensor_parallel"),
+], ids=["nothing", "a-late-sequence-guesses", "presence", "logit-bias", "two-ranks", "two-ranks-first"])
+def test_a_batch_waits_for_step_n_only_for_what_its_host_must_know(ranks, seqs, reason):
+    """The reason names what needs step N's tokens on the host: any sequence's guesses (the proposer reads the last
+    token), any sequence's penalties or bias (counted from the host's lists), several ranks (whatever the batch)."""
+    engine = SimpleNamespace(tp=SimpleNamespace(size=ranks))
+    assert engine_module.Engine.sync_reason(engine, SimpleNamespace(seqs=seqs)) == reason
+
+
+@pytest.mark.exercise("10.5")
 @pytest.mark.parametrize(("params", "reason"), [
     ({"frequency_penalty": 0.5}, "penalties"),
     ({"logit_bias": {11: 2.0}}, "penalties"),
@@ -407,6 +434,7 @@ def test_logprobs_and_a_prompts_logprobs_are_scored_on_the_device_and_overlap(en
             assert got.logprob == pytest.approx(expected.logprob, abs=1e-4)
 
 
+@pytest.mark.exercise("10.5")
 def test_steps_with_guesses_run_synchronously_and_give_the_same_tokens(model_dir, engines):
     _, synchronous = engines
     guessing = make_engine(FOLDER, model_dir, speculative="ngram", speculative_policy="always", kv_cache_mb=64,
