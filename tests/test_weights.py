@@ -4,6 +4,7 @@ anything else fails with one line that says what to do."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -11,8 +12,10 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from common import weights
+from common.gguf_blocks import read_blocks
 from common.weights import ModelNotFound, build_atomically, resolve_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -121,3 +124,24 @@ def test_load_tokenizer_gives_what_autotokenizer_gives(model_dir: Path, tmp_path
         ids = expected(text).input_ids
         assert got(text).input_ids == ids
         assert got.decode(ids, skip_special_tokens=True) == expected.decode(ids, skip_special_tokens=True)
+
+
+def test_the_gguf_blocks_are_exactly_the_weights_every_stage_loads(model_dir: Path):
+    """The file's own Q4_1 and Q8_0 blocks, read under the checkpoint's names (query and key rows put back in
+    Hugging Face's order), dequantize to the float32 numbers of the converted folder, bit for bit."""
+    if os.environ.get("LLM_COURSE_MODEL", weights.DEFAULT_MODEL) != weights.DEFAULT_MODEL:
+        pytest.skip("the suite runs on another model folder: no GGUF behind it")
+    from safetensors.torch import load_file
+
+    blocks = read_blocks(weights._embedded_gguf(weights.DEFAULT_MODEL))
+    checkpoint = load_file(model_dir / "model.safetensors")
+    config = json.loads((model_dir / "config.json").read_text())
+    linear = [name for name in checkpoint if name.endswith("_proj.weight")]
+    assert len(linear) == 7 * config["num_hidden_layers"] and set(linear) <= set(blocks)
+    assert {blocks[name].kind for name in linear} == {"Q4_1"}
+    assert blocks["model.embed_tokens.weight"].kind == "Q8_0"
+    for name, block in blocks.items():
+        assert torch.equal(block.dequantize(), checkpoint[name]), name
+    q = blocks["model.layers.0.self_attn.q_proj.weight"]
+    assert q.codes.dtype == torch.uint8 and int(q.codes.max()) <= 15
+    assert q.scale.shape == (q.codes.shape[0], q.codes.shape[1] // 32)
