@@ -367,6 +367,76 @@ def test_a_sequence_never_runs_past_max_tokens_while_its_last_token_is_on_the_de
     assert tiny.stats().preemptions == 0
 
 
+# --- the core's messages (exercise 10.6) ------------------------------------------------------------------------
+core_module = stage(FOLDER, "core")
+
+
+class RecordingEngine:
+    """What ``EngineCore`` asks of its engine between two turns, recorded: requests added, aborts (id, sample)."""
+
+    def __init__(self) -> None:
+        self.tp = SimpleNamespace(size=1)
+        self.added: list[tuple[str, int]] = []
+        self.aborted: list[tuple[str, int | None]] = []
+
+    def add_request(self, request_id, prompt_ids, params, trace=None, n=1) -> None:
+        self.added.append((request_id, n))
+
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        self.aborted.append((request_id, index))
+
+    def check_ranks(self) -> None:
+        pass
+
+
+@pytest.fixture
+def core_and_pipe():
+    import multiprocessing
+
+    core_end, api_end = multiprocessing.Pipe()
+    yield core_module.EngineCore(RecordingEngine(), core_end), api_end
+    core_end.close()
+    api_end.close()
+
+
+def add(request_id: str, n: int = 1):
+    return messages_module.AddRequest(request_id, [1, 2, 3], sampler.SamplingParams(max_tokens=4), n=n)
+
+
+@pytest.mark.exercise("10.6")
+def test_between_two_turns_the_core_applies_every_message_already_there(core_and_pipe):
+    """Adds, a client gone (every sample of its request aborted, its blocks freed by the engine), a stop string
+    (that sample alone), all taken in one call without waiting; Shutdown ends the loop."""
+    core, api = core_and_pipe
+    for message in (add("a", n=2), add("b"), messages_module.AbortRequest("a", index=1)):
+        api.send(message)
+    assert core._take_messages(block=False) is True
+    assert core.engine.added == [("a", 2), ("b", 1)]
+    assert core.remaining == {"a": {0}, "b": {0}}  # a's sample 1 ended by its stop string; sample 0 goes on
+    assert core.engine.aborted == [("a", 1)]
+    api.send(messages_module.AbortRequest("b"))  # b's client left
+    api.send(messages_module.AbortRequest("a", index=0))  # a's last sample ends: the request has ended
+    assert core._take_messages(block=False) is True
+    assert core.remaining == {}
+    assert core.engine.aborted == [("a", 1), ("b", None), ("a", 0)]
+    assert core._take_messages(block=False) is True  # nothing there: return at once
+    api.send(messages_module.Shutdown())
+    assert core._take_messages(block=False) is False
+
+
+@pytest.mark.exercise("10.6")
+def test_an_abort_for_a_request_that_has_ended_changes_nothing(core_and_pipe):
+    """The API process may send an abort for a request the core has just finished (the two cross in the pipe): it
+    must not revive it, fail, or abort another request."""
+    core, api = core_and_pipe
+    api.send(add("c", n=2))
+    api.send(messages_module.AbortRequest("gone"))
+    api.send(messages_module.AbortRequest("c", index=5))
+    assert core._take_messages(block=False) is True
+    assert core.remaining == {"c": {0, 1}}
+    assert all(request_id != "c" or index == 5 for request_id, index in core.engine.aborted)
+
+
 # --- what cannot overlap (exercise 10.5) ------------------------------------------------------------------------
 engine_module = stage(FOLDER, "engine")
 
