@@ -13,6 +13,7 @@ import json
 import random
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -829,11 +830,30 @@ def test_past_its_queue_the_gateway_refuses_with_503_and_retry_after(gateway):
 
 
 def test_the_fleet_grows_on_queued_requests(gateway):
-    """The two bursts above queued requests at the gateway, past target_queue_depth per replica for longer than
-    upscale_delay_s: the autoscaler added a third replica, which starts and loads its model."""
-    # A bound on waiting, not a speed goal: on a slow 2-core machine busy with the rest of the suite a replica took
-    # over 120 s to build its engine (2026-12-02, AMD EPYC); a fleet that never grows still fails here.
-    wait_for(lambda: running_replicas(gateway) == 3, 300, "a third replica after the queued bursts")
+    """Requests kept queued at the gateway, past target_queue_depth per replica for longer than upscale_delay_s: the
+    autoscaler adds a third replica, which starts and loads its model.
+
+    The queue is held until that replica runs: a replica that takes longer to load than downscale_delay_s after its
+    burst has drained is, rightly, stopped again before it ever runs (on a slow 2-core machine busy with the rest of
+    the suite, a replica took over two minutes to build its engine, 2026-12-02, AMD EPYC)."""
+    stop = threading.Event()
+
+    async def keep_queued() -> None:
+        async def client(i: int) -> None:
+            body = {"model": gateway.small, "prompt": f"Number {i}:", "max_tokens": 16, "ignore_eos": True}
+            while not stop.is_set():  # 32 clients against 2 x 8 slots: about 16 wait at the gateway
+                await http.post(f"{gateway.url}/v1/completions", json=body)
+
+        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=64)) as http:
+            await asyncio.gather(*(client(i) for i in range(32)))
+
+    load = threading.Thread(target=asyncio.run, args=(keep_queued(),))
+    load.start()
+    try:  # a bound on waiting, not a speed goal: a fleet that never grows still fails here
+        wait_for(lambda: running_replicas(gateway) == 3, 300, "a third replica while requests are queued")
+    finally:
+        stop.set()
+        load.join()
 
 
 def test_the_fleet_shrinks_when_idle(gateway):
