@@ -3,7 +3,7 @@ overlapping, and overlapping with the CPU's device thread (--device-thread on), 
 
     python -m 10_overlap_scheduling.overlap_bench            # results/cpu/10_overlap_scheduling_offline.json
     python -m 10_overlap_scheduling.overlap_bench --quick    # 8 sequences, one round, into results/quick/ (CI)
-    python -m 10_overlap_scheduling.overlap_bench --stage 11 # a later stage's engine in this stage's place
+    python -m 10_overlap_scheduling.overlap_bench --stage 12 # a later stage's engine in this stage's place
 
 A served sweep on a 2-core machine moves by a fifth from run to run (other processes, the client on the same
 cores); here the three engines take turns within each round, so that the machine's drift falls on all three

@@ -54,6 +54,10 @@ class Blocks:
             w = w + self.minimum[..., None]
         return w.reshape(out, cols)
 
+    def to(self, device: torch.device | str) -> Blocks:
+        return Blocks(self.codes.to(device), self.scale.to(device),
+                      None if self.minimum is None else self.minimum.to(device), self.kind)
+
 
 def _fp16(raw: np.ndarray) -> torch.Tensor:
     """Two bytes per block ([..., 2] uint8) as the fp16 number they hold, widened to float32."""

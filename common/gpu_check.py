@@ -86,7 +86,8 @@ NO_GPU_NAME = "GPU-NAME"  # the dry run's stand-in for the folder named after th
 # Each command's timeout, in seconds. Most of a demo's or a sweep's time is starting up (imports, weights, Triton's
 # compilation, graph capture); each <part>.json records what every command took, to set these from. On an H200
 # (results/cuda/gpu-check/smoke.json, correctness.json): a stage's demo 17-23 s, under torchrun 27 s. Eleven stages'
-# demos, two of them also under torchrun, fit the part's budget with these (test_gpu_check adds them up).
+# demos, three of them also under torchrun, fit the part's budget with these (test_gpu_check adds them up); the
+# gateway's demo is the gateway part's.
 DEMO_S = 30
 REFERENCE_DEMO_S = 25  # the PyTorch reference instead of the Triton kernels: nothing to compile
 TORCHRUN_S = 40
@@ -95,8 +96,8 @@ GATEWAY_DEMO_S = 100  # Ray, two models' replicas, and a second random model bui
 # H200: test_cuda 78-89 s, test_sync 6 s, test_07_cuda_graphs 21 s, test_all_stages 72 s alone with a warm Triton
 # cache; cold (07's kernels compiled and tuned afresh, in float32), test_all_stages did not finish stage 07 in 100 s
 # (review-gpu-2026-12, section 2): it gets 240 s, and stage 10's and the bfloat16 GPU cases on top.
-TEST_FILES_S = {"test_cuda.py": 120, "test_sync.py": 30, "test_07_cuda_graphs.py": 60, "test_all_stages.py": 240,
-                "test_fused_kernels.py": 45}
+TEST_FILES_S = {"test_cuda.py": 110, "test_sync.py": 30, "test_07_cuda_graphs.py": 60, "test_all_stages.py": 240,
+                "test_fused_kernels.py": 45, "test_11_quantization.py": 20}
 GATEWAY_TESTS_S = 120  # the gateway's GPU tests: Ray started, two replicas of a model sharing the GPU (own part)
 KERNEL_TESTS = "test_attention.py"  # the kernel grid: the kernels part, not the correctness part
 TEST_TIMEOUT_S = 180  # one test at most, where pytest-timeout is installed (and under its file's timeout)
@@ -108,7 +109,8 @@ TRITON_ENV = {"TRITON_PRINT_AUTOTUNING": "1", "TRITON_CACHE_AUTOTUNING": "1"}
 STEP_PROFILE_S = 55
 STEP_BATCH_SIZES, STEP_REPEATS = ("1", "16", "64"), "20"
 # The quantized stage's modes at batch 1 and 64, once a stage has a quantize.py (skipped, its time kept, until then).
-QUANTIZED_FILE, QUANTIZED_BATCH_SIZES, QUANTIZED_S = "quantize.py", ("1", "64"), 45
+QUANTIZED_FILE, QUANTIZED_BATCH_SIZES, QUANTIZED_S = "quantize.py", ("1", "64"), 30
+QUANTIZED_MODES = ("int4", "int8")  # on random weights (no GGUF) int4's blocks are made at load
 # A served sweep: a server's start-up (~20 s), a warm-up, then 64 requests of 64 tokens one at a time and 64 at once.
 # 64 tokens (the standard sweep's): at 16 the c = 64 level's steps were mostly mixed prefill steps (mean execute
 # 26.5 ms on 07, H200), not the decode steps its target is about. With graphs a token takes ~1.7-1.9 ms at c = 1
@@ -170,7 +172,7 @@ def stage_folders() -> list[str]:
 
 
 def is_gateway(folder: str) -> bool:
-    """A stage that serves through a gateway of replicas (10 on), not one server process."""
+    """A stage that serves through a gateway of replicas (12 on), not one server process."""
     return (REPO / folder / "gateway.py").is_file()
 
 
@@ -230,11 +232,9 @@ def smoke(model: str) -> list[Check]:
     """Every stage's demo on CUDA; the PyTorch reference where a stage brings new kernels; one rank under torchrun."""
     checks = []
     for folder in stage_folders():
-        demo = python("-m", folder, "--demo", "--device", "cuda", "--model", model)
-        if is_gateway(folder):  # two models' replicas on this one GPU, each sizing its pool from its share
-            fleet = ["--replica-gpus", "0.25"]  # four replicas on the GPU, each its quarter
-            checks.append(Check(f"{folder} demo", [*demo, *fleet], GATEWAY_DEMO_S, skip=no_ray()))
+        if is_gateway(folder):  # its demo: in the gateway part (gateway_tests)
             continue
+        demo = python("-m", folder, "--demo", "--device", "cuda", "--model", model)
         checks.append(Check(f"{folder} demo", demo, DEMO_S))
         if changes(folder, "triton_attention.py"):
             reference = {"LLM_ATTENTION": "torch"}
@@ -251,7 +251,7 @@ def has_cuda_tests(path: Path) -> bool:
 
 
 def gateway_test_files() -> list[str]:
-    """The test file of each gateway stage (tests/test_11_gateway.py): run only where Ray is."""
+    """The test file of each gateway stage (tests/test_12_gateway.py): run only where Ray is."""
     return [f"test_{folder}.py" for folder in stage_folders() if is_gateway(folder)]
 
 
@@ -282,10 +282,14 @@ def pytest_command(file_timeout_s: int, *args: str) -> list[str]:
 
 
 def gateway_tests(model: str) -> list[Check]:
-    """The gateway's GPU tests (replicas sharing one GPU, each within its memory budget): where Ray imports, and
-    once the file has cuda-marked tests; else skipped, saying why in one line. A part of their own: beside the
-    correctness part's files they would not fit one command."""
+    """The gateway's demo and its GPU tests (replicas sharing one GPU, each within its memory budget): where Ray
+    imports, and once the file has cuda-marked tests; else skipped, saying why in one line. A part of their own:
+    beside the other stages' demos, or the correctness part's files, they would not fit one command."""
     checks = []
+    for folder in stage_folders():
+        if is_gateway(folder):  # two models' replicas on this one GPU, each sizing its pool from its share
+            demo = python("-m", folder, "--demo", "--device", "cuda", "--model", model, "--replica-gpus", "0.25")
+            checks.append(Check(f"{folder} demo", demo, GATEWAY_DEMO_S, skip=no_ray()))  # four replicas, a quarter each
     for name in gateway_test_files():
         why = no_ray() or (None if has_cuda_tests(REPO / "tests" / name) else f"tests/{name} has no GPU test yet")
         checks.append(Check(f"pytest -m cuda {name} (replicas sharing the GPU)",
@@ -346,10 +350,12 @@ def quantized_stage() -> str | None:
     return next((folder for folder in stage_folders() if (REPO / folder / QUANTIZED_FILE).is_file()), None)
 
 
-def step_profile(folder: str, model: str, out: Path, sizes: tuple[str, ...], timeout_s: int) -> Check:
-    return Check(f"{folder} decode step (batch {', '.join(sizes)})",
+def step_profile(folder: str, model: str, out: Path, sizes: tuple[str, ...], timeout_s: int,
+                 quantization: str = "") -> Check:
+    mode = ["--quantization", quantization] if quantization else []
+    return Check(f"{folder} decode step (batch {', '.join(sizes)}){' ' + quantization if quantization else ''}",
                  python("-m", "common.step_profile", "--stage", folder[:2], "--device", "cuda", "--model", model,
-                        "--batch-sizes", *sizes, "--repeats", STEP_REPEATS, "--out", str(out)), timeout_s)
+                        "--batch-sizes", *sizes, "--repeats", STEP_REPEATS, *mode, "--out", str(out)), timeout_s)
 
 
 def sweep(folder: str, model: str, out: Path, levels: tuple[str, ...], requests: str, timeout_s: int,
@@ -373,11 +379,12 @@ def speed(model: str, out: Path) -> list[Check]:
     steps = [step_profile(folder, model, out, STEP_BATCH_SIZES, STEP_PROFILE_S)
              for folder in dict.fromkeys([graphs, latest])]
     quantized = quantized_stage()
-    if quantized:
-        steps.append(step_profile(quantized, model, out, QUANTIZED_BATCH_SIZES, QUANTIZED_S))
+    if quantized:  # its modes other than the float one the step profile above measured
+        steps += [step_profile(quantized, model, out, QUANTIZED_BATCH_SIZES, QUANTIZED_S, mode)
+                  for mode in QUANTIZED_MODES]
     else:  # the hook: its time is kept in the budget, so that the part still fits once the stage exists
-        steps.append(Check(f"quantized stage's modes (batch {', '.join(QUANTIZED_BATCH_SIZES)})", [], QUANTIZED_S,
-                           skip=f"no stage has a {QUANTIZED_FILE} yet"))
+        steps += [Check(f"quantized stage's {mode} (batch {', '.join(QUANTIZED_BATCH_SIZES)})", [], QUANTIZED_S,
+                        skip=f"no stage has a {QUANTIZED_FILE} yet") for mode in QUANTIZED_MODES]
     eager = [sweep(before, model, out, SWEEP_LEVELS[:1], EAGER_C1_REQUESTS, EAGER_C1_S),
              sweep(before, model, out, SWEEP_LEVELS[1:], SWEEP_REQUESTS, EAGER_C64_S)]
     served = [sweep(folder, model, out, SWEEP_LEVELS, SWEEP_REQUESTS, SWEEP_S, suffix, tuple(flags))

@@ -25,7 +25,7 @@ from .weights import build_atomically, cache_dir
 ASSETS = Path(__file__).resolve().parent / "assets" / "smollm2-135m-instruct"
 NAME = "smollm2-135m-random"
 # Larger members of the family, as shapes over the 135M configuration (from their Hugging Face config.json):
-# stage 11 puts a "large" model beside the real small one; offline, only its shapes can be real.
+# stage 12 puts a "large" model beside the real small one; offline, only its shapes can be real.
 SHAPES: dict[str, dict[str, int]] = {
     "135m": {},
     "360m": {"hidden_size": 960, "intermediate_size": 2560, "num_hidden_layers": 32, "num_attention_heads": 15,

@@ -85,13 +85,14 @@ def step_bench() -> ModuleType:
 
 
 def measure(folder: str, model: str, device: str, dtype: str, batch_sizes: list[int], repeats: int, context: int,
-            profile: bool) -> dict[str, Any]:
+            profile: bool, quantization: str = "") -> dict[str, Any]:
     """The stage's decode step at each batch size, eager and from its static buffers (a replayed graph on CUDA)."""
     import torch
 
     bench = step_bench()
     Engine, EngineConfig, StepInput = bench.stage_parts(folder)  # noqa: N806 (classes)
-    engine = Engine(EngineConfig(model=model, device=device, dtype=dtype, max_num_seqs=max(batch_sizes)))
+    mode = {"quantization": quantization} if quantization else {}  # stage 11 on
+    engine = Engine(EngineConfig(model=model, device=device, dtype=dtype, max_num_seqs=max(batch_sizes), **mode))
     try:
         runner = engine.runner
         block_size = engine.kv_cache.shape.block_size
@@ -131,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=REPEATS, help="timed steps per path and size (the median)")
     parser.add_argument("--context", type=int, default=256, help="tokens of each sequence (default: 256)")
     parser.add_argument("--no-profile", dest="profile", action="store_false", help="time only, no profiler")
+    parser.add_argument("--quantization", default="", help="a quantized stage's mode (stage 11 on): int4, int8, none")
     parser.add_argument("--out", type=Path, help="folder for the JSON (default: results/cuda/<gpu>/ on a GPU)")
     args = parser.parse_args(argv)
 
@@ -140,8 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     folder = stage_folder(args.stage)
     device, dtype = device_and_dtype(args.device, args.dtype)
     model = str(model_dir_or_exit(args.model))
-    measured = measure(folder, model, device, dtype, args.batch_sizes, args.repeats, args.context, args.profile)
-    result = {"name": f"{folder}_decode_steps", **measured, "model": model, **environment(device),
+    measured = measure(folder, model, device, dtype, args.batch_sizes, args.repeats, args.context, args.profile,
+                       args.quantization)
+    suffix = f"_{args.quantization}" if args.quantization else ""
+    result = {"name": f"{folder}_decode_steps{suffix}", **measured, "model": model, **environment(device),
               "machine": machine_info(device), "command": shlex.join(sys.orig_argv),
               "date": datetime.now(UTC).isoformat(timespec="seconds")}
     out = args.out or results_dir(device)

@@ -64,6 +64,18 @@ def resolve_model(name_or_path: str = DEFAULT_MODEL) -> Path:
     return target
 
 
+def source_gguf(model_dir: str | Path) -> Path | None:
+    """The GGUF file a model folder was converted from: an embedded model's, when ``model_dir`` is its folder in
+    the cache; else a single ``*.gguf`` inside the folder (a local checkpoint with its quantized original); else
+    None. A quantized stage reads the file's own blocks from it (``common.gguf_blocks``)."""
+    model_dir = Path(model_dir).resolve()
+    for name in EMBEDDED_MODELS:
+        if (cache_dir() / "models" / name).resolve() == model_dir:
+            return _embedded_gguf(name)
+    found = sorted(model_dir.glob("*.gguf"))
+    return found[0] if len(found) == 1 else None
+
+
 def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
     """The tokenizer of a local model folder: the one ``AutoTokenizer.from_pretrained`` gives, without its costs.
 

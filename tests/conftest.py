@@ -106,7 +106,7 @@ share_one_tls_context()
 # fixtures (the gateway's Ray fleet, a tiny checkpoint) are made once. The longest files go first (a long one started
 # last would leave the other worker idle at the end), and files whose tests share nothing costly are cut smaller:
 # into a group per test (None), or per stage that the tests' parameters name (its engine and fixtures made once).
-LONGEST_FIRST = ["test_11_gateway.py", "test_notebooks.py", "test_09_tensor_parallel.py", "test_homework.py",
+LONGEST_FIRST = ["test_12_gateway.py", "test_notebooks.py", "test_09_tensor_parallel.py", "test_homework.py",
                  "test_fuzz.py", "test_attention.py", "test_all_stages.py", "test_hardening.py", "test_openai_api.py",
                  "test_bench.py"]
 SPLIT_BY = {"test_notebooks.py": None, "test_fuzz.py": None, "test_all_stages.py": None, "test_homework.py": "stage"}
@@ -311,10 +311,13 @@ STEP_COSTS = REPO / "results" / "cpu" / "07_cuda_graphs_decode_steps.json"
 
 def engine_config(folder: str, model_dir: Path, device: str = "cpu", dtype: str = "float32", **config):
     """A stage's EngineConfig on ``model_dir``, float32 unless asked, its other fields as given (on a CPU, the
-    speculation policy's step costs from STEP_COSTS unless given)."""
+    speculation policy's step costs from STEP_COSTS unless given; from stage 11 on, unquantized unless given)."""
     config_class = stage(folder, "config").EngineConfig
-    if device == "cpu" and "step_costs" in {field.name for field in dataclasses.fields(config_class)}:
+    fields = {field.name for field in dataclasses.fields(config_class)}
+    if device == "cpu" and "step_costs" in fields:
         config.setdefault("step_costs", str(STEP_COSTS))
+    if "quantization" in fields:  # stage 11 on: float weights, Hugging Face's own, unless a test asks for others
+        config.setdefault("quantization", "none")
     return config_class(model=str(model_dir), device=device, dtype=dtype, **config)
 
 
@@ -385,6 +388,7 @@ engine08, server08 = stage_fixtures("08_speculative", kv_cache_mb=64, max_num_ba
 # Stage 09 with one rank, like every stage before it; test_09_tensor_parallel starts the engines of several.
 engine09, server09 = stage_fixtures("09_tensor_parallel", kv_cache_mb=64, max_num_batched_tokens=64)
 engine10, server10 = stage_fixtures("10_overlap_scheduling", kv_cache_mb=64, max_num_batched_tokens=64)
-# Stage 11's engine is stage 10's, unchanged: the every-stage test runs it too (its server is tested through
-# the gateway, in test_11_gateway).
-engine11, server11 = stage_fixtures("11_gateway", kv_cache_mb=64, max_num_batched_tokens=64)
+engine11, server11 = stage_fixtures("11_quantization", kv_cache_mb=64, max_num_batched_tokens=64)
+# Stage 12's engine is stage 11's, unchanged: the every-stage test runs it too (its server is tested through
+# the gateway, in test_12_gateway).
+engine12, server12 = stage_fixtures("12_gateway", kv_cache_mb=64, max_num_batched_tokens=64)

@@ -36,7 +36,9 @@ CAPABILITIES = {
     "ranks": "09: tensor parallelism over several ranks (processes), steps broadcast from rank 0",
     "overlap": "10: overlap scheduling: step N + 1 launched before step N's tokens are read, placeholders resolved on "
                "the device; steps that cannot overlap run synchronously and are counted",
-    "gateway": "11: many stage 10 servers as one endpoint on Ray Serve: routing by model, difficulty and prefix; "
+    "quantization": "11: weights kept and multiplied in fewer bytes: int4 in blocks (the GGUF's own), int8 per row; "
+                    "--quantization, the pool given what the weights freed",
+    "gateway": "12: many stage 11 servers as one endpoint on Ray Serve: routing by model, difficulty and prefix; "
                "autoscaling on queue depth",
 }
 IMPORTS, DOCSTRING, OTHER = "<imports>", "__doc__", "<statements>"  # the pseudo-definitions of a module
@@ -214,8 +216,23 @@ TABLE = course(
               "speculative.py": ("next_tokens",),
               "stats.py": ("__doc__", "EngineStats", "OverlapStats"),
           }),
-    Stage("11_gateway", adds={"gateway"},
-          lesson="the gateway: stage 10's engine unchanged on Ray Serve replicas; routing by model, difficulty and "
+    Stage("11_quantization", adds={"quantization"},
+          lesson="quantized weights: the linear layers in int4 blocks (the file's own) or int8 per row, multiplied by "
+                 "torch's quantized kernels; the pool given the bytes they freed",
+          changes={
+              "config.py": ("EngineConfig",),
+              "core.py": ("describe",),
+              "engine.py": ("<imports>", "Engine"),
+              "kv_cache.py": ("budget_bytes",),
+              "matmul.py": ("<imports>", "linear"),
+              "model.py": ("__doc__", "<imports>", "LlamaForCausalLM"),
+              "model_runner.py": ("start_runner",),
+              "parallel.py": ("<imports>", "VocabParallelEmbedding"),
+              "stats.py": ("EngineStats", "MemoryStats"),
+              "worker.py": ("<imports>", "run_worker"),
+          }),
+    Stage("12_gateway", adds={"gateway"},
+          lesson="the gateway: stage 11's engine unchanged on Ray Serve replicas; routing by model, difficulty and "
                  "prefix; autoscaling on queue depth",
           changes={
           }),
@@ -226,7 +243,8 @@ STAGES = [entry.folder for entry in TABLE]
 ALWAYS = frozenset({"README.md", "EXERCISES.md", "__init__.py", "__main__.py"})
 # The benchmark harnesses: tooling, not lesson. A later stage may leave one behind (the gateway's stage, whose engine is
 # stage 10's byte for byte, carries none: stage 10's measure that engine); one it keeps stays byte-identical.
-TOOLING = frozenset({"step_bench.py", "compile_bench.py", "spec_bench.py", "tp_bench.py", "overlap_bench.py"})
+TOOLING = frozenset({"step_bench.py", "compile_bench.py", "spec_bench.py", "tp_bench.py", "overlap_bench.py",
+                     "quant_bench.py"})
 
 
 def check_capability(capability: str) -> None:
@@ -247,8 +265,8 @@ def stages_having(capability: str) -> list[str]:
     return [folder for folder in STAGES if has(folder, capability)]
 
 
-# The OpenAI server with streaming (stage 01 is a Flask app), served by one process. Stage 11 serves stage 10's app,
-# unchanged, on each replica behind its gateway: test_11_gateway holds the gateway to stage 10's answers.
+# The OpenAI server with streaming (stage 01 is a Flask app), served by one process. Stage 12 serves stage 11's app,
+# unchanged, on each replica behind its gateway: test_12_gateway holds the gateway to stage 11's answers.
 FASTAPI_STAGES = [folder for folder in stages_having("streaming") if not has(folder, "gateway")]
 
 

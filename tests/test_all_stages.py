@@ -159,7 +159,7 @@ def tiny_folder(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     return folder
 
 
-# Stage 11's command line starts a Ray fleet: test_11_gateway starts one and tests it.
+# Stage 12's command line starts a Ray fleet: test_12_gateway starts one and tests it.
 @pytest.mark.parametrize("folder", [folder for folder in STAGES if not has(folder, "gateway")])
 def test_every_stage_serves_from_its_command_line(folder, tiny_folder):
     """``python -m NN_name --model M --port P``, as `make serve` and the benchmarks start it: healthy, it answers a

@@ -80,9 +80,9 @@ def test_without_cuda_the_gpu_check_says_so_in_one_line_and_runs_nothing(monkeyp
 
 def test_the_smoke_part_runs_every_demo_on_cuda_and_the_ranks_under_torchrun(monkeypatch, tmp_path):
     """Every stage's demo; the ranks' stage under torchrun with one process (its collectives through NCCL); the
-    gateway skipped, saying why, where Ray is missing."""
+    gateway's in the gateway part, skipped, saying why, where Ray is missing."""
     monkeypatch.setattr(gpu_check, "no_ray", lambda: "Ray is not installed here")
-    checks = commands("smoke", tmp_path)
+    checks = commands("smoke", tmp_path) + commands("gateway", tmp_path)
     for folder in gpu_check.stage_folders():
         demos = [c for c in checks if c.command[1:5] == ["-m", folder, "--demo", "--device"]]
         assert demos, f"no demo of {folder}"
@@ -96,6 +96,7 @@ def test_the_smoke_part_runs_every_demo_on_cuda_and_the_ranks_under_torchrun(mon
 
 def test_the_correctness_part_runs_every_file_of_gpu_tests_the_gpu_only_ones_first(tmp_path):
     checks = commands("correctness", tmp_path) + commands("gateway", tmp_path) + commands("kernels", tmp_path)
+    checks = [c for c in checks if "pytest" in c.command]  # (the gateway part also runs the gateway's demo)
     files = {arg.removeprefix("tests/") for c in checks for arg in c.command if arg.startswith("tests/")}
     holding = {p.name for p in (REPO / "tests").glob("test_*.py") if re.search(r"pytest\.mark\.cuda", p.read_text())}
     gateway = {f"test_{folder}.py" for folder in stages_having("gateway")}
@@ -176,7 +177,7 @@ def test_the_speed_part_profiles_the_step_and_sweeps_64_token_requests_the_lates
     gateway's); the served sweep at concurrency 1 and 64 with 64 tokens a request of the stage before graphs (its
     slow c = 1 level a command of its own), the first with graphs and the latest, the latest with its defaults, with
     speculation off and with overlap disabled too; every result into the folder it is given, under distinct names;
-    the quantized stage's hook skipped, saying why, until a stage has one."""
+    the quantized stage's modes at batch 1 and 64 (its test below)."""
     checks = commands("speed", tmp_path)
     graphs = stages_having("static_buffers")[0]
     latest = [folder for folder in stages_having("batching") if not has(folder, "gateway")][-1]
@@ -185,7 +186,8 @@ def test_the_speed_part_profiles_the_step_and_sweeps_64_token_requests_the_lates
     def stages(module: str) -> list[str]:
         return [c.command[c.command.index("--stage") + 1] for c in checks if module in c.command]
 
-    assert stages("common.step_profile") == [graphs[:2], latest[:2]]
+    quantized = gpu_check.quantized_stage()
+    assert stages("common.step_profile") == [graphs[:2], latest[:2], *[quantized[:2]] * len(gpu_check.QUANTIZED_MODES)]
     assert stages("common.bench") == [before[:2], before[:2], graphs[:2], latest[:2], latest[:2], latest[:2]]
     assert not stages("common.throughput")  # the peer part's
     sweeps = [c.command for c in checks if "common.bench" in c.command]
@@ -202,18 +204,21 @@ def test_the_speed_part_profiles_the_step_and_sweeps_64_token_requests_the_lates
         if not words:
             continue
         assert words[words.index("--out") + 1] == str(tmp_path) and "--device" in words
-        if "common.step_profile" in words:
+        if "common.step_profile" in words and "--quantization" not in words:
             assert words[words.index("--batch-sizes") + 1:words.index("--repeats")] == ["1", "16", "64"]
             assert words[words.index("--repeats") + 1] == "20"
-    [hook] = [c for c in checks if "quantized" in c.name]
-    assert hook.skip and gpu_check.QUANTIZED_FILE in hook.skip and hook.timeout_s > 0
 
 
 def test_a_quantized_stage_gets_its_modes_profiled_at_batch_1_and_64(monkeypatch, tmp_path):
-    monkeypatch.setattr(gpu_check, "quantized_stage", lambda: "12_quantized")
-    [hook] = [c for c in commands("speed", tmp_path) if "12_quantized" in c.name]
-    assert hook.skip is None and hook.command[hook.command.index("--stage") + 1] == "12"
-    assert hook.command[hook.command.index("--batch-sizes") + 1:hook.command.index("--repeats")] == ["1", "64"]
+    monkeypatch.setattr(gpu_check, "quantized_stage", lambda: "13_quantized")
+    hooks = [c for c in commands("speed", tmp_path) if "13_quantized" in c.name]
+    assert [c.command[c.command.index("--quantization") + 1] for c in hooks] == ["int4", "int8"]
+    for hook in hooks:
+        assert hook.skip is None and hook.command[hook.command.index("--stage") + 1] == "13"
+        assert hook.command[hook.command.index("--batch-sizes") + 1:hook.command.index("--repeats")] == ["1", "64"]
+    monkeypatch.setattr(gpu_check, "quantized_stage", lambda: None)  # before there was one: its time kept, skipped
+    hooks = [c for c in commands("speed", tmp_path) if "quantized" in c.name]
+    assert hooks and all(gpu_check.QUANTIZED_FILE in c.skip and c.timeout_s > 0 for c in hooks)
     assert sum(c.timeout_s for c in commands("speed", tmp_path)) <= PART_BUDGET_S
 
 

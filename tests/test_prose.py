@@ -16,7 +16,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 STAGES = sorted(path.name for path in REPO.glob("[0-9][0-9]_*") if (path / "__main__.py").exists())
-NUMBER = {name.split("_", 1)[1]: int(name[:2]) for name in STAGES}  # "gateway" -> 11
+NUMBER = {name.split("_", 1)[1]: int(name[:2]) for name in STAGES}  # "gateway" -> 12
 LATEST = max(NUMBER.values())
 PORTS = {int(name[:2]): importlib.import_module(name).PORT for name in STAGES}  # each stage's default --port
 
@@ -53,7 +53,7 @@ def matches(pattern: re.Pattern) -> list[tuple[str, re.Match]]:
     return found
 
 
-# A stage's folder name, as prose writes it: `11_gateway`, `10_overlap_scheduling.json`, `python -m 09_tensor_parallel`.
+# A stage's folder name, as prose writes it: `12_gateway`, `10_overlap_scheduling.json`, `python -m 09_tensor_parallel`.
 STAGE_NAME = re.compile(r"\b(\d\d)_(" + "|".join(sorted(NUMBER, key=len, reverse=True)) + r")\b")
 
 
@@ -75,7 +75,7 @@ def test_the_course_range_ends_at_the_latest_stage():
     assert not wrong, "\n".join(wrong)
 
 
-# What each stage is, in the words prose uses for it: "stage 10's gateway" is wrong once the gateway is 11.
+# What each stage is, in the words prose uses for it: "stage 10's gateway" is wrong once the gateway is 12.
 TOPICS = {"gateway": "gateway", "Ray fleet": "gateway", "Ray Serve": "gateway",
           "overlap scheduling": "overlap_scheduling", "tensor parallelism": "tensor_parallel",
           "speculative decoding": "speculative", "CUDA graphs": "cuda_graphs",
@@ -108,12 +108,12 @@ def test_each_notebook_is_titled_by_its_own_stage():
     assert not wrong, "\n".join(wrong)
 
 
-# `python -m 09_tensor_parallel --port 8011`: a port the prose starts a stage on.
+# `python -m 09_tensor_parallel --port 8012`: a port the prose starts a stage on.
 STARTED_ON = re.compile(r"python -m (\d\d)_\w+(?: [^\n|]*?)? --port (\d+)")
 
 
 def test_no_stage_is_started_on_another_stages_default_port():
-    """An example that starts stage 09 on 8011 collides with a running gateway (and teaches the wrong default)."""
+    """An example that starts stage 09 on 8012 collides with a running gateway (and teaches the wrong default)."""
     wrong = []
     for where, match in matches(STARTED_ON):
         stage, port = int(match.group(1)), int(match.group(2))
@@ -209,7 +209,7 @@ def values_in(name: str) -> tuple[float, ...]:
 
 def result_files_named(text: str) -> list[str]:
     """The committed result files ``text`` names, in order; a suffix (`_hop.json`, `_ab10_1`) after
-    `results/cpu/11_gateway_x.json` is the file of the same stage and folder: `results/cpu/11_gateway_hop.json`."""
+    `results/cpu/12_gateway_x.json` is the file of the same stage and folder: `results/cpu/12_gateway_hop.json`."""
     found: list[str] = []
     for reference in FILE_REFERENCE.findall(text):
         name = reference.rsplit("/", 1)[-1]
