@@ -131,9 +131,16 @@ class Int8Weight(QuantizedWeight):
         ### END SOLUTION
         return cls(codes, scale, weight.dtype)
 
+    def uses_kernel(self, x: torch.Tensor) -> bool:
+        """Whether the product of ``x`` ([T, in]) takes the int8 kernel: on a CPU, for fewer than KERNEL_ROWS rows.
+        Else the weights are widened and multiplied in float (on CUDA always: no int8 kernel is used there)."""
+        ### BEGIN SOLUTION 11.4
+        return x.device.type == "cpu" and x.shape[0] < self.KERNEL_ROWS
+        ### END SOLUTION
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # x: [T, in] -> [T, out] in x's dtype
-        if x.device.type == "cpu" and x.shape[0] < self.KERNEL_ROWS:
+        if self.uses_kernel(x):
             out = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scale).to(x.dtype)
         else:  # widened a block of rows at a time, multiplied in x's dtype (on CUDA: every step, see the lesson)
             out = torch.cat([F.linear(x, (codes.to(x.dtype) * scale.to(x.dtype)[:, None]))

@@ -98,6 +98,24 @@ def test_each_kernel_computes_its_dequantized_weights_product(rows):
         assert torch.allclose(got, expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item()), type(q).__name__
 
 
+@pytest.mark.exercise("11.4")
+def test_the_int8_kernel_takes_the_steps_of_few_rows_and_float_the_rest():
+    """Fewer than KERNEL_ROWS rows on a CPU: the int8 kernel's bits exactly; from KERNEL_ROWS on, or off the CPU,
+    the widened float product's."""
+    torch.manual_seed(3)
+    q = quantize.Int8Weight.from_float(torch.randn(48, 640))
+    few, many = quantize.Int8Weight.KERNEL_ROWS - 1, quantize.Int8Weight.KERNEL_ROWS
+    assert q.uses_kernel(torch.empty(1, 640)) and q.uses_kernel(torch.empty(few, 640))
+    assert not q.uses_kernel(torch.empty(many, 640))
+    assert q.uses_kernel(torch.empty(2, 4 * many))  # the rows count, not the features
+    assert not q.uses_kernel(torch.empty(1, 640, device="meta"))  # a device that is not a CPU: widened
+    for rows, kernel in ((few, True), (many, False)):
+        x = torch.randn(rows, 640)
+        expected = (torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), q.codes, q.scale).float() if kernel
+                    else torch.nn.functional.linear(x, q.codes.float() * q.scale.float()[:, None]))
+        assert torch.equal(q.linear(x), expected), rows
+
+
 @pytest.mark.exercise("11.3")
 def test_q4_1_blocks_of_a_float_weight_put_each_weight_on_the_nearest_step():
     torch.manual_seed(1)
