@@ -151,6 +151,9 @@ class Engine:
         self.runner = start_runner(config, self.model, self.device, self.max_num_batched_tokens,
                                    draft_shape.bytes_per_block if draft_shape else 0)
         self.kv_cache = self.runner.kv_cache
+        # What the weights and the pool take: fixed from here on, so counted once, not at every turn's stats.
+        self.memory = MemoryStats(self.quantization, self.model.num_weight_bytes, self.model.num_unquantized_bytes,
+                                  self.kv_cache.num_bytes)
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size,
                                           make_index(config.prefix_cache, config.block_size))
         self.proposer: NgramProposer | DraftProposer | None = None
@@ -231,8 +234,7 @@ class Engine:
                            scheduler.num_preemptions,
                            PrefixCacheStats(scheduler.prefix_cache_queries, scheduler.prefix_cache_hits),
                            scheduler.speculation, OverlapStats(self.num_overlapped, dict(self.sync_steps)),
-                           MemoryStats(self.quantization, self.model.num_weight_bytes,
-                                       self.model.num_unquantized_bytes, self.kv_cache.num_bytes))
+                           self.memory)
 
     # --- text <-> token ids ---------------------------------------------------------------
     def encode(self, prompt: str) -> list[int]:

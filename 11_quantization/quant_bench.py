@@ -37,7 +37,6 @@ from common.weights import DEFAULT_MODEL, resolve_model
 
 STAGE = __package__  # 11_quantization: the stage measured unless --stage names a later one
 BEFORE = "10_overlap_scheduling"
-MODES = ("none", "int8", "int4")
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PROMPTS = ["The history of the Roman Empire", "def fibonacci(n):", "1. Apples\n2.", "The three laws of thermodynamics"]
 # The standard prompts of the tests (tests/prompts.py): the quality part's answers start from them.
@@ -127,8 +126,9 @@ def main() -> None:
     model = str(resolve_model(args.model))
     machine = machine_info("cpu")  # before the engines load: the load average is the machine's, not ours
     engines = {"stage 10": (BEFORE, make_engine(BEFORE, model))}
+    modes = importlib.import_module(f"{folder}.quantize").MODES  # none, int8, int4
     engines |= {f"stage {folder[:2]}, {mode}": (folder, make_engine(folder, model, quantization=mode))
-                for mode in MODES}
+                for mode in modes}
     memory = {name: {"weight_bytes": engine.model.num_weight_bytes, "kv_cache_bytes": engine.kv_cache.num_bytes}
               for name, (_, engine) in engines.items()}
     linears = {name: {n: time_linears(engine.model, stage, n) for n in rows}

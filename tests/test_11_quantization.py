@@ -145,6 +145,11 @@ def test_auto_quantizes_a_model_that_ships_in_blocks_and_leaves_a_float_one(mode
     if source_gguf(model_dir) is not None:
         assert quantize.pick_quantization("auto", model_dir) == "int4"
     assert quantize.pick_quantization("auto", tmp_path) == "none"  # no GGUF: a float checkpoint stays float
+    (tmp_path / "model.Q4_1.gguf").touch()  # a local folder with its quantized original beside it
+    assert source_gguf(tmp_path) == (tmp_path / "model.Q4_1.gguf").resolve()
+    assert quantize.pick_quantization("auto", tmp_path) == "int4"
+    (tmp_path / "other.gguf").touch()  # two: which one is the model's is not for us to guess
+    assert source_gguf(tmp_path) is None
     assert quantize.pick_quantization("int8", tmp_path) == "int8"
     with pytest.raises(ValueError, match="--quantization 'int3'"):
         quantize.pick_quantization("int3", tmp_path)
